@@ -1,0 +1,1 @@
+"""geotrain: the command-line entry point (`geotrain ...`)."""

@@ -1,0 +1,130 @@
+"""The `geotrain` command line. Expected failures (GeotrainError) become one line on stderr
+and exit code 2, never a traceback."""
+
+from __future__ import annotations
+
+import functools
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import click
+
+from training.errors import GeotrainError
+
+STACK = click.option(
+    "--stack",
+    "-s",
+    default="local",
+    show_default=True,
+    help="Stack name (stacks/Pulumi.<stack>.yaml) or a path to a stack file.",
+)
+
+
+def friendly(fn: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except GeotrainError as e:
+            click.echo(f"geotrain: error: {e}", err=True)
+            sys.exit(e.exit_code)
+
+    return wrapper
+
+
+@click.group()
+def cli() -> None:
+    """Train one model across regions: validate, render, graph, train, check, lab."""
+
+
+@cli.command()
+@STACK
+@friendly
+def validate(stack: str) -> None:
+    """Parse and check a stack file."""
+    from infra.model import load_stack
+    from infra.plan import build_plan
+
+    m = load_stack(stack)
+    plan = build_plan(m)
+    gpus = sum(n.gpus for n in plan.nodes)
+    click.echo(
+        f"{m.stack}: ok - {len(plan.regions)} regions, {len(plan.nodes)} nodes, "
+        f"{gpus} workers, {len(plan.tunnels)} links, run {plan.run_id}"
+    )
+
+
+@cli.command()
+@STACK
+@click.option(
+    "--out",
+    "out",
+    type=click.Path(file_okay=False),
+    required=True,
+    help="Directory to write the artifacts into.",
+)
+@friendly
+def render(stack: str, out: str) -> None:
+    """Write every artifact the Pulumi program would deliver."""
+    from infra.model import load_stack
+    from infra.plan import build_plan
+    from infra.render import render_all
+
+    arts = render_all(build_plan(load_stack(stack)))
+    root = Path(out)
+    for a in arts:
+        p = root / a.path
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(a.content, encoding="utf-8")
+    click.echo(f"wrote {len(arts)} artifacts to {root}")
+
+
+@cli.command()
+@STACK
+@friendly
+def graph(stack: str) -> None:
+    """Run the Pulumi program under mocks and print the resource tree `pulumi up` would
+    create (no engine, no cloud)."""
+    from infra.mocks import run_under_mocks
+    from infra.model import load_stack
+
+    rec = run_under_mocks(load_stack(stack))
+    children: dict[str | None, list[Any]] = {}
+    urns = {r.urn for r in rec.resources}
+    for r in rec.resources:
+        parent = r.parent if r.parent in urns else None
+        children.setdefault(parent, []).append(r)
+
+    def show(parent: str | None, depth: int) -> None:
+        for r in sorted(children.get(parent, []), key=lambda r: (r.type, r.name)):
+            click.echo(f"{'  ' * depth}{r.type}  {r.name}")
+            show(r.urn, depth + 1)
+
+    click.echo(f"pulumi:pulumi:Stack  geotrain-{stack}")
+    show(None, 1)
+    click.echo(f"{len(rec.resources)} resources; outputs: {', '.join(sorted(rec.outputs))}")
+
+
+@cli.command()
+@click.option(
+    "--out",
+    "out",
+    type=click.Path(dir_okay=False),
+    required=True,
+    help="Key file to create (kept if it exists).",
+)
+@friendly
+def keygen(out: str) -> None:
+    """Create a run key file (32 random bytes, hex) unless it exists."""
+    from training.keys import create_key_file
+
+    created = create_key_file(Path(out))
+    click.echo(f"{'created' if created else 'kept existing'} {out}")
+
+
+def main() -> None:
+    from geotrain import commands  # noqa: F401  (registers train/launch/check/lab/top)
+
+    cli()

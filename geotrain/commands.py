@@ -1,0 +1,1 @@
+"""Commands added by later parts (train, launch); imported by main() to register them."""

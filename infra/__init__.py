@@ -1,0 +1,1 @@
+"""geotrain infrastructure: stack model -> plan -> render -> Pulumi components."""

@@ -1,0 +1,1 @@
+"""Pulumi ComponentResources that deliver rendered artifacts to each backend."""

@@ -1,0 +1,36 @@
+"""How each node is reached by the components: a `Target` per node from the plan."""
+
+from __future__ import annotations
+
+import functools
+
+import pulumi
+from pulumi_command import remote
+
+from infra.components.delivery import Target
+from infra.model.pulumi_config import secret
+from infra.model.schema import StackModel
+from infra.plan import PlanNode
+
+
+def node_target(model: StackModel, node: PlanNode) -> Target:
+    if node.kind in ("local", "lab"):
+        return Target(connection=None)
+    pool = model.region(node.region).pool
+    key = secret(pool.ssh.private_key_config)
+    if key is None:
+        _warn_unset(pool.ssh.private_key_config)
+    conn = remote.ConnectionArgs(
+        host=node.address, port=pool.ssh.port, user=pool.ssh.user, private_key=key
+    )
+    return Target(connection=conn, sudo=True)
+
+
+@functools.cache
+def _warn_unset(key: str) -> None:
+    # Previews and `geotrain graph` still work; `pulumi up` would fail at connect time,
+    # so say once, now, what to set.
+    pulumi.log.warn(
+        f"{key} is not set: set it with `pulumi config set --secret {key} "
+        "< KEYFILE` before `pulumi up`"
+    )

@@ -1,0 +1,299 @@
+"""Cross-field checks of a parsed stack: the rules pydantic's per-field types cannot see."""
+
+from __future__ import annotations
+
+import itertools
+
+from infra.model.gpus import GPU_TYPES
+from infra.model.schema import StackModel
+from training.errors import ConfigError
+
+SINGLE_MACHINE_KINDS = ("local", "lab")
+
+
+def check_model(m: StackModel, source: str) -> None:
+    """Raise ConfigError for the first inconsistency, naming its key path and the fix."""
+    for check in (
+        _regions,
+        _addresses,
+        _pools,
+        _workers,
+        _links,
+        _shards,
+        _training,
+        _monitoring,
+        _policy,
+    ):
+        check(m, source)
+
+
+def _err(source: str, path: str, msg: str) -> ConfigError:
+    return ConfigError(source, "geotrain:" + path, msg)
+
+
+def _regions(m: StackModel, source: str) -> None:
+    seen_names: dict[str, int] = {}
+    seen_asn: dict[int, int] = {}
+    seen_nodes: dict[str, str] = {}
+    for i, r in enumerate(m.regions):
+        if r.name in seen_names:
+            raise _err(
+                source,
+                f"regions[{i}].name",
+                f"duplicate region name '{r.name}' "
+                f"(also regions[{seen_names[r.name]}]); region names must be unique",
+            )
+        seen_names[r.name] = i
+        if r.asn in seen_asn:
+            raise _err(
+                source,
+                f"regions[{i}].asn",
+                f"duplicate ASN {r.asn} (also "
+                f"regions[{seen_asn[r.asn]}]); give every region its own private ASN",
+            )
+        seen_asn[r.asn] = i
+        for j, n in enumerate(r.pool.nodes):
+            if n.name in seen_nodes:
+                raise _err(
+                    source,
+                    f"regions[{i}].pool.nodes[{j}].name",
+                    f"duplicate node name '{n.name}' (also in region "
+                    f"{seen_nodes[n.name]}); node names must be unique in the stack",
+                )
+            seen_nodes[n.name] = r.name
+            if n.gpu_type not in GPU_TYPES:
+                raise _err(
+                    source,
+                    f"regions[{i}].pool.nodes[{j}].gpu_type",
+                    f"unsupported gpu_type '{n.gpu_type}'; use one of {', '.join(GPU_TYPES)}",
+                )
+
+
+def _addresses(m: StackModel, source: str) -> None:
+    net = m.network
+    if not net.transfer_cidr.subnet_of(net.overlay_cidr):
+        raise _err(
+            source,
+            "network.transfer_cidr",
+            f"{net.transfer_cidr} is not inside "
+            f"overlay_cidr {net.overlay_cidr}; pick a block inside the overlay",
+        )
+    for i, r in enumerate(m.regions):
+        if not r.subnet.subnet_of(net.overlay_cidr):
+            raise _err(
+                source,
+                f"regions[{i}].subnet",
+                f"{r.subnet} is not inside overlay_cidr "
+                f"{net.overlay_cidr}; pick a subnet inside the overlay",
+            )
+        if r.subnet.overlaps(net.transfer_cidr):
+            raise _err(
+                source,
+                f"regions[{i}].subnet",
+                f"{r.subnet} overlaps transfer_cidr {net.transfer_cidr}; move one of them",
+            )
+        if r.subnet.num_addresses < len(r.pool.nodes) + 4:
+            raise _err(
+                source,
+                f"regions[{i}].subnet",
+                f"{r.subnet} is too small for {len(r.pool.nodes)} nodes; use a larger prefix",
+            )
+    for (i, a), (j, b) in itertools.combinations(enumerate(m.regions), 2):
+        if a.subnet.overlaps(b.subnet):
+            raise _err(
+                source,
+                f"regions[{j}].subnet",
+                f"{b.subnet} overlaps regions[{i}] "
+                f"({a.name}) subnet {a.subnet}; region subnets must not overlap",
+            )
+    if net.underlay_cidr.overlaps(net.overlay_cidr):
+        raise _err(
+            source,
+            "network.underlay_cidr",
+            f"{net.underlay_cidr} overlaps the overlay "
+            f"{net.overlay_cidr}; the underlay must be separate",
+        )
+
+
+def _pools(m: StackModel, source: str) -> None:
+    kinds = {r.pool.kind for r in m.regions}
+    for i, r in enumerate(m.regions):
+        names = [n.name for n in r.pool.nodes]
+        if r.pool.gateway is not None and r.pool.gateway not in names:
+            raise _err(
+                source,
+                f"regions[{i}].pool.gateway",
+                f"'{r.pool.gateway}' is not a "
+                f"node of region {r.name}; use one of {', '.join(names)}",
+            )
+        if r.pool.kind in SINGLE_MACHINE_KINDS and len(kinds) > 1:
+            raise _err(
+                source,
+                f"regions[{i}].pool.kind",
+                f"'{r.pool.kind}' runs every region "
+                f"on one machine and cannot mix with {sorted(kinds - {r.pool.kind})}; "
+                "use the same kind in every region",
+            )
+        for j, n in enumerate(r.pool.nodes):
+            loop = n.address.is_loopback
+            if r.pool.kind == "local" and not loop:
+                raise _err(
+                    source,
+                    f"regions[{i}].pool.nodes[{j}].address",
+                    f"{n.address} is "
+                    "not a loopback address; local pools run on this machine (127.0.0.1)",
+                )
+            if r.pool.kind == "ssh" and loop:
+                raise _err(
+                    source,
+                    f"regions[{i}].pool.nodes[{j}].address",
+                    "ssh nodes need the address the operator reaches them on, not loopback",
+                )
+
+
+def _workers(m: StackModel, source: str) -> None:
+    counts = [sum(n.gpus for n in r.pool.nodes) for r in m.regions]
+    for i, r in enumerate(m.regions):
+        if counts[i] != counts[0]:
+            raise _err(
+                source,
+                f"regions[{i}].pool.nodes",
+                f"region {r.name} has {counts[i]} "
+                f"workers but {m.regions[0].name} has {counts[0]}; the hierarchical "
+                "all-reduce pairs local ranks across regions, so give every region "
+                "the same number of GPUs",
+            )
+
+
+def _links(m: StackModel, source: str) -> None:
+    names = [r.name for r in m.regions]
+    pairs: dict[frozenset[str], int] = {}
+    for i, link in enumerate(m.network.links):
+        for end in ("a", "b"):
+            value = getattr(link, end)
+            if value not in names:
+                raise _err(
+                    source,
+                    f"network.links[{i}].{end}",
+                    f"unknown region '{value}'; use one of {', '.join(names)}",
+                )
+        if link.a == link.b:
+            raise _err(
+                source,
+                f"network.links[{i}]",
+                f"links {link.a} to itself; a link joins two different regions",
+            )
+        key = frozenset((link.a, link.b))
+        if key in pairs:
+            raise _err(
+                source,
+                f"network.links[{i}]",
+                f"duplicate link {link.a}-{link.b} "
+                f"(also links[{pairs[key]}]); one link per region pair",
+            )
+        pairs[key] = i
+    need = len(m.network.links) * 2
+    if need > m.network.transfer_cidr.num_addresses:
+        raise _err(
+            source,
+            "network.transfer_cidr",
+            f"{m.network.transfer_cidr} holds "
+            f"{m.network.transfer_cidr.num_addresses // 2} /31 tunnels, {need // 2} "
+            "needed; use a larger block",
+        )
+    if len(m.regions) > 1 and not m.network.links and m.regions[0].pool.kind != "local":
+        raise _err(
+            source,
+            "network.links",
+            "no links between regions; add at least one "
+            "link per region so every region is reachable",
+        )
+
+
+def _shards(m: StackModel, source: str) -> None:
+    seen: set[str] = set()
+    for i, s in enumerate(m.training.data_shards):
+        if s.name in seen:
+            raise _err(source, f"training.data_shards[{i}].name", f"duplicate shard '{s.name}'")
+        seen.add(s.name)
+        try:
+            region = m.region(s.region)
+        except KeyError:
+            raise _err(
+                source,
+                f"training.data_shards[{i}].region",
+                f"unknown region '{s.region}'; use one of {', '.join(r.name for r in m.regions)}",
+            ) from None
+        if region.jurisdiction != s.jurisdiction:
+            ok = [r.name for r in m.regions if r.jurisdiction == s.jurisdiction]
+            hint = f"place it in {' or '.join(ok)}" if ok else "add a region in that jurisdiction"
+            raise _err(
+                source,
+                f"training.data_shards[{i}].region",
+                f"shard '{s.name}' is "
+                f"{s.jurisdiction} data but region {s.region} is in "
+                f"{region.jurisdiction}; data must stay in its jurisdiction: {hint}",
+            )
+        if not (s.uri.startswith("pydoc-topics:") or s.uri.startswith("file:")):
+            raise _err(
+                source,
+                f"training.data_shards[{i}].uri",
+                f"unsupported uri '{s.uri}'; use pydoc-topics:auto or file:/path/to/text",
+            )
+
+
+def _training(m: StackModel, source: str) -> None:
+    d = m.training.diloco
+    if d.inner_steps is not None and d.interval_minutes is not None:
+        raise _err(source, "training.diloco", "set inner_steps or interval_minutes, not both")
+    if d.interval_minutes is not None and d.interval_minutes <= 0:
+        raise _err(source, "training.diloco.interval_minutes", f"{d.interval_minutes} must be > 0")
+
+
+def _monitoring(m: StackModel, source: str) -> None:
+    mon = m.monitoring
+    nodes = [n.name for r in m.regions for n in r.pool.nodes]
+    if mon.host is not None and mon.host not in nodes:
+        raise _err(
+            source,
+            "monitoring.host",
+            f"'{mon.host}' is not a node of this stack; use one of {', '.join(nodes)}",
+        )
+    most = max(n.gpus for r in m.regions for n in r.pool.nodes)
+    span = range(mon.metrics_port, mon.metrics_port + most)
+    for key in ("node_exporter_port", "dcgm_exporter_port", "prometheus_port", "grafana_port"):
+        if getattr(mon, key) in span:
+            raise _err(
+                source,
+                f"monitoring.{key}",
+                f"{getattr(mon, key)} collides with the "
+                f"runtime metrics ports {span.start}-{span.stop - 1}; move one of them",
+            )
+    if mon.bind_address != "private":
+        import ipaddress
+
+        try:
+            ipaddress.IPv4Address(mon.bind_address)
+        except ValueError:
+            raise _err(
+                source,
+                "monitoring.bind_address",
+                f"'{mon.bind_address}' is neither 'private' nor an IPv4 address",
+            ) from None
+
+
+def _policy(m: StackModel, source: str) -> None:
+    for i, g in enumerate(m.policy.allowed_gpu_types or []):
+        if g not in GPU_TYPES:
+            raise _err(
+                source,
+                f"policy.allowed_gpu_types[{i}]",
+                f"unknown GPU type '{g}'; use one of {', '.join(GPU_TYPES)}",
+            )
+    for g in m.policy.gpu_prices:
+        if g not in GPU_TYPES:
+            raise _err(
+                source,
+                f"policy.gpu_prices.{g}",
+                f"unknown GPU type '{g}'; use one of {', '.join(GPU_TYPES)}",
+            )

@@ -1,0 +1,269 @@
+"""The typed stack model: every `geotrain:*` key of `stacks/Pulumi.<stack>.yaml`.
+
+Field docstrings are the reference for stack authors (docs/architecture.md points here).
+Defaults live here and nowhere else. Shape checks are pydantic's; cross-field checks are
+in `infra.model.checks`.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+Name = str  # validated by the pattern below where used
+NAME_PATTERN = r"^[a-z][a-z0-9-]{0,30}[a-z0-9]$"
+Jurisdiction = Literal["CN", "EU", "US", "UK", "JP", "KR", "SG", "IN", "CA", "AU", "BR", "CH"]
+PoolKind = Literal["local", "lab", "ssh", "kubernetes"]
+SyncMode = Literal["allreduce", "diloco"]
+Quantize = Literal["none", "fp16", "bf16", "int8", "int4"]
+Cipher = Literal["sm4-gcm", "aes-gcm", "none"]
+
+
+class Strict(BaseModel):
+    """Unknown keys are errors: a typo must not silently fall back to a default."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Node(Strict):
+    name: str = Field(pattern=NAME_PATTERN)
+    """Host name, unique in the stack (DNS label)."""
+    address: ipaddress.IPv4Address = ipaddress.IPv4Address("127.0.0.1")
+    """Address the operator reaches the node on (ssh) or its underlay address."""
+    gpu_type: str = "cpu"
+    """Accelerator type from infra.model.gpus.GPU_TYPES."""
+    gpus: int = Field(default=1, ge=1, le=16)
+    """Accelerators on the node = worker processes (for cpu: CPU worker processes)."""
+
+
+class SshSettings(Strict):
+    user: str = "geotrain"
+    """Login user on every node of the pool (needs sudo for wireguard/frr)."""
+    port: int = Field(default=22, ge=1, le=65535)
+    """SSH port."""
+    private_key_config: str = "geotrain:sshPrivateKey"
+    """Secret config key holding the operator's SSH private key (`pulumi config set --secret`)."""
+
+
+class KubernetesSettings(Strict):
+    kubeconfig_config: str = "geotrain:kubeconfig"
+    """Secret config key holding this region's kubeconfig."""
+    context: str | None = None
+    """kubeconfig context to use (default: current)."""
+    namespace: str = Field(default="geotrain", pattern=NAME_PATTERN)
+    """Namespace created for the region's workers."""
+    image: str = "ghcr.io/geotrain/runtime:0.1.0"
+    """Container image holding the geotrain runtime."""
+
+
+class Pool(Strict):
+    kind: PoolKind
+    """Backend: local processes, lab namespaces, ssh hosts or a Kubernetes cluster."""
+    nodes: list[Node] = Field(min_length=1)
+    """The region's nodes; ranks follow this order."""
+    gateway: str | None = None
+    """Node that terminates the region's WireGuard tunnels and runs BGP (default: first)."""
+    ssh: SshSettings = SshSettings()
+    """Settings for kind=ssh."""
+    kubernetes: KubernetesSettings = KubernetesSettings()
+    """Settings for kind=kubernetes."""
+
+
+class Region(Strict):
+    name: str = Field(pattern=NAME_PATTERN)
+    """Region name, unique in the stack (e.g. beijing)."""
+    jurisdiction: Jurisdiction
+    """Legal jurisdiction the region's data must stay in."""
+    subnet: ipaddress.IPv4Network
+    """Private subnet of the region's nodes, inside network.overlay_cidr; announced over BGP."""
+    asn: int = Field(ge=64512, le=65534)
+    """Private BGP ASN of the region's gateway (RFC 6996 16-bit range)."""
+    pool: Pool
+    """Where the region's GPUs are."""
+
+
+class Link(Strict):
+    a: str
+    """One end region."""
+    b: str
+    """Other end region."""
+    bandwidth_mbps: int = Field(default=1000, ge=1, le=400_000)
+    """Link bandwidth; the lab shapes its underlay to this with tc tbf."""
+    latency_ms: float = Field(default=50.0, ge=0, le=1000)
+    """Expected one-way latency (informational: netem is not available for the lab)."""
+    cost: int = Field(default=10, ge=1, le=1000)
+    """Routing cost: the cheapest healthy path wins (BGP AS-path prepends = cost // 10)."""
+
+
+class Network(Strict):
+    overlay_cidr: ipaddress.IPv4Network = ipaddress.IPv4Network("10.42.0.0/16")
+    """Private overlay holding every region subnet and the tunnel transfer nets."""
+    transfer_cidr: ipaddress.IPv4Network = ipaddress.IPv4Network("10.42.255.0/24")
+    """Part of the overlay carved into /31s, one per link, for tunnel endpoints."""
+    underlay_cidr: ipaddress.IPv4Network = ipaddress.IPv4Network("100.127.0.0/22")
+    """lab only: addresses of the simulated internet between gateways (/30 per link)."""
+    wireguard_port: int = Field(default=51820, ge=1024, le=65000)
+    """First WireGuard listen port; tunnel to the i-th region listens on port + i."""
+    mtu: int = Field(default=1420, ge=1280, le=9000)
+    """Tunnel MTU."""
+    bfd_interval_ms: int = Field(default=300, ge=50, le=10_000)
+    """BFD transmit/receive interval; failover takes ~ interval x multiplier."""
+    bfd_multiplier: int = Field(default=3, ge=2, le=50)
+    """BFD detect multiplier."""
+    links: list[Link] = Field(default_factory=list)
+    """Links between regions; each becomes a WireGuard tunnel and a BGP session."""
+
+
+class Compression(Strict):
+    quantize: Quantize = "int8"
+    """Quantization of cross-region payloads."""
+    block_size: int = Field(default=256, ge=16, le=65536)
+    """Elements per absmax scale block for int8/int4."""
+    error_feedback: bool = True
+    """Carry the quantization residual into the next step."""
+    zstd_level: int = Field(default=1, ge=-7, le=22)
+    """zstd level after byte-shuffle (1 is the throughput sweet spot)."""
+    cipher: Cipher = "sm4-gcm"
+    """Payload cipher; CN requires sm4-gcm by default policy."""
+
+
+class Diloco(Strict):
+    inner_steps: int | None = Field(default=None, ge=1)
+    """H: merge every H inner steps (set this or interval_minutes; neither means 100)."""
+    interval_minutes: float | None = None
+    """T: merge every T minutes instead (30 in the reference deployment)."""
+    outer_lr: float = Field(default=0.7, gt=0, le=10)
+    """Outer Nesterov learning rate."""
+    outer_momentum: float = Field(default=0.9, ge=0, lt=1)
+    """Outer Nesterov momentum."""
+
+    @property
+    def every_steps(self) -> int | None:
+        """Inner steps between merges, or None when the merge is time-based."""
+        if self.interval_minutes is not None:
+            return None
+        return self.inner_steps if self.inner_steps is not None else 100
+
+
+class Checkpoint(Strict):
+    dir: str = ".geotrain/{stack}/checkpoints"
+    """Checkpoint root ({stack} is replaced); relative paths are under the repo (local)."""
+    interval_steps: int = Field(default=50, ge=1)
+    """Save every N steps."""
+    interval_minutes: float = Field(default=30, gt=0)
+    """Upper bound on minutes between saves (policy caps it)."""
+    keep: int = Field(default=2, ge=1)
+    """Committed checkpoints to keep (policy requires at least 2)."""
+
+
+class DataShard(Strict):
+    name: str = Field(pattern=NAME_PATTERN)
+    """Shard name."""
+    jurisdiction: Jurisdiction
+    """Jurisdiction the raw data belongs to; it may only be read there."""
+    region: str
+    """Region whose workers read the shard."""
+    uri: str = "pydoc-topics:auto"
+    """`pydoc-topics:auto` (Python's bundled docs, split per region) or `file:/path`."""
+
+
+class Training(Strict):
+    model: Literal["deepseek-tiny", "deepseek-small", "deepseek-base"] = "deepseek-tiny"
+    """Model preset (see training.model.PRESETS)."""
+    sync: SyncMode = "allreduce"
+    """allreduce every step, or diloco periodic global merge."""
+    steps: int = Field(default=60, ge=1)
+    """Optimizer steps (inner steps for diloco)."""
+    batch_size: int = Field(default=8, ge=1)
+    """Sequences per worker per step."""
+    seq_len: int = Field(default=64, ge=8)
+    """Tokens per sequence (byte-level)."""
+    lr: float = Field(default=3e-3, gt=0)
+    """AdamW learning rate."""
+    seed: int = 1234
+    """Seed for weights and data order."""
+    compression: Compression = Compression()
+    """Codec for cross-region payloads."""
+    diloco: Diloco = Diloco()
+    """Periodic global merge settings (sync: diloco)."""
+    checkpoint: Checkpoint = Checkpoint()
+    """Checkpoint cadence and retention."""
+    data_shards: list[DataShard] = Field(default_factory=list)
+    """Data per region, each tagged with its jurisdiction."""
+    key_file: str = ".geotrain/{stack}/run.key"
+    """File with the run's 32-byte hex key (created by `geotrain train` for local)."""
+    rendezvous_port: int = Field(default=29500, ge=1024, le=65000)
+    """Port of the global TCPStore on the first node."""
+    max_restarts: int = Field(default=3, ge=0, le=100)
+    """Restarts after a worker dies (torchrun --max-restarts semantics)."""
+    bucket_mb: float = Field(default=4.0, gt=0, le=1024)
+    """Gradient bucket size for the hierarchical all-reduce."""
+
+
+class Monitoring(Strict):
+    enabled: bool = True
+    """Render and deliver monitoring."""
+    metrics_port: int = Field(default=9400, ge=1024, le=65000)
+    """First runtime metrics port; local rank i serves on port + i."""
+    node_exporter_port: int = Field(default=9100, ge=1024, le=65535)
+    """node-exporter port on every node."""
+    dcgm_exporter_port: int = Field(default=9500, ge=1024, le=65535)
+    """dcgm-exporter port on GPU nodes."""
+    prometheus_port: int = Field(default=9090, ge=1024, le=65535)
+    """Prometheus listen port on the monitoring host."""
+    grafana_port: int = Field(default=3000, ge=1024, le=65535)
+    """Grafana listen port on the monitoring host."""
+    bind_address: str = "private"
+    """`private` (overlay/loopback address of the node) or an explicit IPv4 address."""
+    scrape_interval_s: int = Field(default=15, ge=1, le=600)
+    """Prometheus scrape interval."""
+    host: str | None = None
+    """Node running Prometheus and Grafana (default: the first region's gateway)."""
+
+
+class Policy(Strict):
+    allowed_gpu_types: list[str] | None = None
+    """GPU types this stack may use (default: any known)."""
+    allowed_regions: list[str] | None = None
+    """Region names this stack may use (default: any)."""
+    max_gpus: int | None = Field(default=None, ge=1)
+    """Budget: total accelerators."""
+    max_usd_per_hour: float | None = Field(default=None, gt=0)
+    """Budget: estimated hourly cost from the price table."""
+    gpu_prices: dict[str, float] = Field(default_factory=dict)
+    """Overrides of the default USD/GPU-hour prices."""
+    encryption_required_for: list[Jurisdiction] = Field(default_factory=lambda: ["CN"])
+    """Jurisdictions whose regions require payload encryption with sm4-gcm."""
+    max_checkpoint_interval_minutes: float = 30
+    """Checkpoints at least this often."""
+    min_checkpoint_keep: int = 2
+    """Checkpoints to keep at least."""
+    required_tags: list[str] = Field(default_factory=lambda: ["owner", "cost-centre"])
+    """Tags every resource must carry (jurisdiction is added per region)."""
+
+
+class StackModel(Strict):
+    """The whole stack: what `geotrain:*` config declares."""
+
+    stack: str
+    """Stack name (from the file name or the Pulumi engine)."""
+    regions: list[Region] = Field(min_length=1)
+    """Regions, in rank order."""
+    network: Network = Network()
+    """Overlay, tunnels and routing."""
+    training: Training = Training()
+    """The training job."""
+    monitoring: Monitoring = Monitoring()
+    """Metrics, alerts and dashboards."""
+    policy: Policy = Policy()
+    """Guardrail settings read by the policy pack and `geotrain check`."""
+    tags: dict[str, str] = Field(default_factory=dict)
+    """Tags added to every resource."""
+
+    def region(self, name: str) -> Region:
+        for r in self.regions:
+            if r.name == name:
+                return r
+        raise KeyError(name)

@@ -1,0 +1,41 @@
+"""The Pulumi program as a function, so `__main__.py`, `geotrain graph/check` and the tests
+run the same wiring."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pulumi
+
+from infra import outputs
+from infra.components.monitoring import Monitoring, MonitoringArgs
+from infra.components.network import Overlay, OverlayArgs, Routing, RoutingArgs
+from infra.components.pool import RegionPool, RegionPoolArgs
+from infra.components.training import TrainingDeployment, TrainingDeploymentArgs
+from infra.model.schema import StackModel
+from infra.plan import build_plan
+
+
+def program(model: StackModel) -> dict[str, Any]:
+    """Wire the components for `model`; export and return the stack outputs."""
+    plan = build_plan(model)
+    pools = [RegionPool(f"{r.name}-pool", RegionPoolArgs(plan, r)) for r in plan.regions]
+    overlay = Overlay("overlay", OverlayArgs(plan), pulumi.ResourceOptions(depends_on=pools))
+    routing = Routing("routing", RoutingArgs(plan, overlay))
+    monitoring = Monitoring(
+        "monitoring", MonitoringArgs(plan), pulumi.ResourceOptions(depends_on=[routing])
+    )
+    training = TrainingDeployment("training", TrainingDeploymentArgs(plan, [*pools, routing]))
+
+    exports: dict[str, Any] = {
+        outputs.LAUNCH_SPEC: training.launch_spec,
+        outputs.RUN_ID: plan.run_id,
+        outputs.WORLD_SIZE: plan.world_size,
+        outputs.REGIONS: json.dumps({r.name: r.jurisdiction for r in plan.regions}),
+        outputs.WIREGUARD_PUBLIC_KEYS: overlay.public_keys,
+        outputs.PROMETHEUS_URL: monitoring.prometheus_url,
+    }
+    for key, value in exports.items():
+        pulumi.export(key, value)
+    return exports

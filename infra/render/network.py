@@ -1,0 +1,152 @@
+"""WireGuard, FRR (bgpd + bfdd) and sysctl renderers for region gateways."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from infra.plan import Plan, PlanRegion, Tunnel
+
+WG_KEY_DIR = "/etc/geotrain/wireguard"
+"""Private keys live here on the gateway; generated there, never rendered or exported."""
+BFD_PROFILE = "geotrain"
+
+
+def pubkey_placeholder(node: str) -> str:
+    return f"<public key of {node}>"
+
+
+def render_wireguard(
+    plan: Plan,
+    region: str,
+    tunnel: Tunnel,
+    pubkeys: Mapping[str, str] | None = None,
+    key_dir: str = WG_KEY_DIR,
+) -> str:
+    """wg-quick config of `region`'s end of `tunnel`.
+
+    `Table = off`: BGP, not wg-quick, owns routes. AllowedIPs is 0.0.0.0/0 because each
+    tunnel has its own interface; the routing table picks the interface, WireGuard only
+    authenticates the peer. The private key is read from a file on the host (PostUp).
+    """
+    local_ip, peer_ip, port, peer_port, ifname, peer, _, peer_underlay = tunnel.side(region)
+    peer_gw = plan.region(peer).gateway.name
+    key = (pubkeys or {}).get(peer_gw, pubkey_placeholder(peer_gw))
+    mtu = plan.model.network.mtu
+    return (
+        f"# geotrain {plan.stack}: {region} <-> {peer} (link {tunnel.index}, "
+        f"{tunnel.bandwidth_mbps} Mbit/s, cost {tunnel.cost})\n"
+        "[Interface]\n"
+        f"Address = {local_ip}/31\n"
+        f"ListenPort = {port}\n"
+        f"MTU = {mtu}\n"
+        "Table = off\n"
+        f"PostUp = wg set %i private-key {key_dir}/private.key\n"
+        "\n[Peer]\n"
+        f"# {peer_gw}\n"
+        f"PublicKey = {key}\n"
+        f"Endpoint = {peer_underlay}:{peer_port}\n"
+        "AllowedIPs = 0.0.0.0/0\n"
+        "PersistentKeepalive = 15\n"
+    )
+
+
+def strip_wg_quick(conf: str) -> str:
+    """The `wg setconf` subset of a wg-quick file (what `wg-quick strip` prints)."""
+    quick_only = (
+        "Address",
+        "MTU",
+        "Table",
+        "PostUp",
+        "PostDown",
+        "PreUp",
+        "PreDown",
+        "DNS",
+        "SaveConfig",
+    )
+    keep = []
+    for line in conf.splitlines():
+        key = line.split("=", 1)[0].strip()
+        if key not in quick_only:
+            keep.append(line)
+    return "\n".join(keep) + "\n"
+
+
+def render_frr(plan: Plan, region: str) -> str:
+    """frr.conf of a region gateway: eBGP per tunnel with BFD, the region subnet announced,
+    link cost turned into AS-path prepends so the cheapest healthy path wins."""
+    r = plan.region(region)
+    net = plan.model.network
+    lines = [
+        f"! geotrain {plan.stack}: gateway {r.gateway.name} of {region} (AS{r.asn})",
+        "frr defaults datacenter",
+        f"hostname {r.gateway.name}",
+        "log stdout informational",
+        "service integrated-vtysh-config",
+        "!",
+        f"ip prefix-list GT-OVERLAY seq 5 permit {net.overlay_cidr} le 32",
+        f"ip prefix-list GT-OWN seq 5 permit {r.subnet}",
+        "!",
+    ]
+    for t in plan.tunnels_of(region):
+        _, peer_ip, _, _, _, peer, _, _ = t.side(region)
+        lines += [f"route-map GT-OUT-{peer} permit 10", " match ip address prefix-list GT-OVERLAY"]
+        if t.prepend:
+            lines.append(" set as-path prepend " + " ".join([str(r.asn)] * t.prepend))
+        lines += [
+            "!",
+            f"route-map GT-IN-{peer} permit 10",
+            " match ip address prefix-list GT-OVERLAY",
+            "!",
+        ]
+    lines += [
+        f"router bgp {r.asn}",
+        f" bgp router-id {r.router_id}",
+        " no bgp ebgp-requires-policy",
+        " no bgp network import-check",
+        # fast keepalives as a backstop; BFD detects failure in interval x multiplier
+        " timers bgp 3 9",
+    ]
+    for t in plan.tunnels_of(region):
+        _, peer_ip, _, _, ifname, peer, _, _ = t.side(region)
+        lines += [
+            f" neighbor {peer_ip} remote-as {plan.region(peer).asn}",
+            f" neighbor {peer_ip} description {peer} via {ifname}",
+            f" neighbor {peer_ip} bfd profile {BFD_PROFILE}",
+        ]
+    lines += [" !", " address-family ipv4 unicast", f"  network {r.subnet}"]
+    for t in plan.tunnels_of(region):
+        _, peer_ip, _, _, _, peer, _, _ = t.side(region)
+        lines += [
+            f"  neighbor {peer_ip} route-map GT-IN-{peer} in",
+            f"  neighbor {peer_ip} route-map GT-OUT-{peer} out",
+        ]
+    lines += [
+        " exit-address-family",
+        "exit",
+        "!",
+        "bfd",
+        f" profile {BFD_PROFILE}",
+        f"  transmit-interval {net.bfd_interval_ms}",
+        f"  receive-interval {net.bfd_interval_ms}",
+        f"  detect-multiplier {net.bfd_multiplier}",
+        " exit",
+        "exit",
+        "!",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def frr_daemons() -> str:
+    """/etc/frr/daemons: only bgpd and bfdd (zebra and mgmtd always run)."""
+    return "bgpd=yes\nbfdd=yes\nospfd=no\nisisd=no\nvtysh_enable=yes\n"
+
+
+def render_sysctl(region: PlanRegion | None = None) -> str:
+    """Gateways forward between tunnels and the region subnet; rp_filter off because with
+    BGP failover a reply may arrive on another tunnel than its request left on."""
+    return (
+        "# geotrain gateway\n"
+        "net.ipv4.ip_forward = 1\n"
+        "net.ipv4.conf.all.rp_filter = 0\n"
+        "net.ipv4.conf.default.rp_filter = 0\n"
+    )

@@ -1,0 +1,177 @@
+"""Renderers for the training runtime: the launch spec, systemd units, k8s manifests."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from infra.plan import Plan, PlanNode, PlanRegion
+from training.spec import (
+    CheckpointSpec,
+    CodecSpec,
+    DilocoSpec,
+    LaunchSpec,
+    NodeSpec,
+    RegionSpec,
+    ShardSpec,
+)
+
+REMOTE_SPEC_PATH = "/etc/geotrain/launch-spec.json"
+REMOTE_VENV = "/opt/geotrain/.venv"
+
+
+def render_launch_spec(plan: Plan) -> LaunchSpec:
+    m = plan.model
+    t = m.training
+    regions = [
+        RegionSpec(
+            name=r.name,
+            jurisdiction=r.jurisdiction,
+            nodes=[
+                NodeSpec(
+                    name=n.name,
+                    host=n.private_ip,
+                    first_rank=n.first_rank,
+                    nprocs=n.gpus,
+                    device=n.device,
+                    netns=n.netns,
+                )
+                for n in r.nodes
+            ],
+            shards=[
+                ShardSpec(name=s.name, jurisdiction=s.jurisdiction, uri=s.uri)
+                for s in t.data_shards
+                if s.region == r.name
+            ],
+        )
+        for r in plan.regions
+    ]
+    c = t.compression
+    mon = m.monitoring
+    return LaunchSpec(
+        run_id=plan.run_id,
+        stack=plan.stack,
+        master_addr=plan.master_addr,
+        master_port=plan.master_port,
+        regions=regions,
+        model=t.model,
+        sync=t.sync,
+        steps=t.steps,
+        batch_size=t.batch_size,
+        seq_len=t.seq_len,
+        lr=t.lr,
+        seed=t.seed,
+        bucket_mb=t.bucket_mb,
+        codec=CodecSpec(
+            quantize=c.quantize,
+            block_size=c.block_size,
+            error_feedback=c.error_feedback,
+            zstd_level=c.zstd_level,
+            cipher=c.cipher,
+        ),
+        diloco=DilocoSpec(
+            every_steps=t.diloco.every_steps,
+            interval_minutes=t.diloco.interval_minutes,
+            outer_lr=t.diloco.outer_lr,
+            outer_momentum=t.diloco.outer_momentum,
+        ),
+        checkpoint=CheckpointSpec(
+            dir=plan.path(t.checkpoint.dir),
+            interval_steps=t.checkpoint.interval_steps,
+            interval_minutes=t.checkpoint.interval_minutes,
+            keep=t.checkpoint.keep,
+        ),
+        key_file=plan.path(t.key_file),
+        metrics_port=mon.metrics_port,
+        metrics_bind="private" if mon.bind_address == "private" else mon.bind_address,
+        max_restarts=t.max_restarts,
+    )
+
+
+def render_worker_unit(plan: Plan, node: PlanNode) -> str:
+    """systemd unit that runs one node's workers (ssh pools)."""
+    restarts = plan.model.training.max_restarts
+    return (
+        "[Unit]\n"
+        f"Description=geotrain workers of {node.name} ({node.region}, run {plan.run_id})\n"
+        "After=network-online.target\nWants=network-online.target\n"
+        # the node reaches other regions only through the overlay: start after routing
+        + ("After=frr.service\n" if node.is_gateway else "")
+        + "\n[Service]\nType=simple\nUser=geotrain\n"
+        f"ExecStart={REMOTE_VENV}/bin/geotrain launch --spec {REMOTE_SPEC_PATH} "
+        f"--node {node.name}\n"
+        "Restart=on-failure\nRestartSec=10\n"
+        # systemd gives up after max_restarts failures in the window, like torchrun
+        f"StartLimitBurst={restarts + 1}\nStartLimitIntervalSec=3600\n"
+        "LimitNOFILE=1048576\n"
+        "\n[Install]\nWantedBy=multi-user.target\n"
+    )
+
+
+def render_k8s(plan: Plan, region: PlanRegion, spec_json: str) -> list[dict[str, Any]]:
+    """Manifests of a kubernetes region: namespace, launch spec, headless service, and a
+    StatefulSet whose pod i is node i of the region (stable names = stable ranks)."""
+    pool = next(r for r in plan.model.regions if r.name == region.name).pool
+    ns = pool.kubernetes.namespace
+    labels = {
+        "app.kubernetes.io/name": "geotrain",
+        "geotrain.io/region": region.name,
+        "geotrain.io/jurisdiction": region.jurisdiction,
+        **{f"geotrain.io/{k}": v for k, v in plan.model.tags.items()},
+    }
+    gpus = region.nodes[0].gpus
+    gpu_vendor = "nvidia.com/gpu" if region.nodes[0].device == "cuda" else None
+    resources = {"limits": {gpu_vendor: gpus}} if gpu_vendor else {}
+    node_names = " ".join(n.name for n in region.nodes)
+    container = {
+        "name": "worker",
+        "image": pool.kubernetes.image,
+        "command": [
+            "/bin/sh",
+            "-c",
+            # pod ordinal -> node name from the spec, so ranks are stable
+            f"set -- {node_names}; shift ${{HOSTNAME##*-}}; "
+            "exec geotrain launch --spec /etc/geotrain/launch-spec.json --node $1",
+        ],
+        "ports": [{"name": "metrics", "containerPort": plan.model.monitoring.metrics_port}],
+        "volumeMounts": [{"name": "spec", "mountPath": "/etc/geotrain"}],
+        "resources": resources,
+    }
+    return [
+        {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns, "labels": labels}},
+        {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": {"name": "geotrain-spec", "namespace": ns, "labels": labels},
+            "data": {"launch-spec.json": spec_json},
+        },
+        {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": {"name": "geotrain", "namespace": ns, "labels": labels},
+            # headless ClusterIP: workers and Prometheus reach pods by name; never exposed
+            "spec": {
+                "clusterIP": "None",
+                "type": "ClusterIP",
+                "selector": labels,
+                "ports": [{"name": "metrics", "port": plan.model.monitoring.metrics_port}],
+            },
+        },
+        {
+            "apiVersion": "apps/v1",
+            "kind": "StatefulSet",
+            "metadata": {"name": "geotrain", "namespace": ns, "labels": labels},
+            "spec": {
+                "serviceName": "geotrain",
+                "replicas": len(region.nodes),
+                "podManagementPolicy": "Parallel",
+                "selector": {"matchLabels": labels},
+                "template": {
+                    "metadata": {"labels": labels},
+                    "spec": {
+                        "containers": [container],
+                        "volumes": [{"name": "spec", "configMap": {"name": "geotrain-spec"}}],
+                    },
+                },
+            },
+        },
+    ]

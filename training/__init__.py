@@ -1,0 +1,1 @@
+"""geotrain's training runtime: reads a launch spec, never imports pulumi or infra."""

@@ -1,0 +1,235 @@
+"""The launch spec: the JSON contract between the Pulumi program and the runtime.
+
+infra renders it (`launch_spec` stack output, `launch-spec.json`); the runtime reads only
+this. Every field is plain JSON so SSH hosts and pods need nothing but the file.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from training.errors import SpecError
+
+SPEC_VERSION = 1
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    name: str
+    """Shard name."""
+    jurisdiction: str
+    """Jurisdiction of the raw data."""
+    uri: str
+    """pydoc-topics:auto | file:/path."""
+
+
+@dataclass(frozen=True)
+class NodeSpec:
+    name: str
+    """Node name (unique)."""
+    host: str
+    """Address this node's workers bind to and are reached on (private/overlay)."""
+    first_rank: int
+    """Global rank of the node's local rank 0."""
+    nprocs: int
+    """Worker processes (= accelerators) on the node."""
+    device: str
+    """cuda | cpu."""
+    netns: str | None = None
+    """lab only: network namespace the workers run in."""
+
+
+@dataclass(frozen=True)
+class RegionSpec:
+    name: str
+    """Region name."""
+    jurisdiction: str
+    """Jurisdiction of the region."""
+    nodes: list[NodeSpec]
+    """Nodes in rank order."""
+    shards: list[ShardSpec]
+    """Data this region reads; never another region's."""
+
+
+@dataclass(frozen=True)
+class CodecSpec:
+    quantize: str = "int8"
+    """none | fp16 | bf16 | int8 | int4."""
+    block_size: int = 256
+    """Elements per scale block (int8/int4)."""
+    error_feedback: bool = True
+    """Keep the quantization residual per bucket."""
+    zstd_level: int = 1
+    """zstd level after byte-shuffle."""
+    cipher: str = "sm4-gcm"
+    """sm4-gcm | aes-gcm | none."""
+
+
+@dataclass(frozen=True)
+class DilocoSpec:
+    every_steps: int | None = 100
+    """Merge every H inner steps (None: time-based)."""
+    interval_minutes: float | None = None
+    """Merge every T minutes (None: step-based)."""
+    outer_lr: float = 0.7
+    """Outer Nesterov learning rate."""
+    outer_momentum: float = 0.9
+    """Outer Nesterov momentum."""
+
+
+@dataclass(frozen=True)
+class CheckpointSpec:
+    dir: str = ".geotrain/checkpoints"
+    """Checkpoint root; relative paths resolve against the launch directory."""
+    interval_steps: int = 50
+    """Save every N steps."""
+    interval_minutes: float = 30
+    """And at least every T minutes."""
+    keep: int = 2
+    """Committed checkpoints kept."""
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    run_id: str
+    """Stable id of the run; bound into every payload and checkpoint."""
+    stack: str
+    """Stack the spec was rendered from."""
+    master_addr: str
+    """Host of the global TCPStore (first node)."""
+    master_port: int
+    """Port of the global TCPStore."""
+    regions: list[RegionSpec]
+    """Regions in rank order."""
+    model: str = "deepseek-tiny"
+    """Model preset."""
+    sync: str = "allreduce"
+    """allreduce | diloco."""
+    steps: int = 60
+    """Optimizer (inner) steps."""
+    batch_size: int = 8
+    """Sequences per worker per step."""
+    seq_len: int = 64
+    """Tokens per sequence."""
+    lr: float = 3e-3
+    """AdamW learning rate."""
+    seed: int = 1234
+    """Seed."""
+    bucket_mb: float = 4.0
+    """Gradient bucket size."""
+    codec: CodecSpec = field(default_factory=CodecSpec)
+    """Cross-region codec."""
+    diloco: DilocoSpec = field(default_factory=DilocoSpec)
+    """Periodic merge settings."""
+    checkpoint: CheckpointSpec = field(default_factory=CheckpointSpec)
+    """Checkpoint settings."""
+    key_file: str = ".geotrain/run.key"
+    """File with the run's hex key."""
+    metrics_port: int = 9400
+    """Local rank i serves Prometheus metrics on metrics_port + i."""
+    metrics_bind: str = "127.0.0.1"
+    """Bind address for metrics ('private' = the node's host)."""
+    max_restarts: int = 3
+    """Restarts after a worker dies."""
+    version: int = SPEC_VERSION
+    """Spec format version."""
+
+    @property
+    def world_size(self) -> int:
+        return sum(n.nprocs for r in self.regions for n in r.nodes)
+
+    def node(self, name: str) -> tuple[RegionSpec, NodeSpec]:
+        for r in self.regions:
+            for n in r.nodes:
+                if n.name == name:
+                    return r, n
+        names = ", ".join(n.name for r in self.regions for n in r.nodes)
+        raise SpecError(
+            f"node '{name}' is not in the launch spec of run {self.run_id}; use one of {names}"
+        )
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2, sort_keys=True) + "\n"
+
+    @staticmethod
+    def from_json(text: str, source: str = "launch spec") -> LaunchSpec:
+        try:
+            raw = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise SpecError(
+                f"{source}: not valid JSON ({e}); re-render it with `geotrain render`"
+            ) from None
+        return _from_dict(raw, source)
+
+    @staticmethod
+    def load(path: str | Path) -> LaunchSpec:
+        p = Path(path)
+        try:
+            text = p.read_text(encoding="utf-8")
+        except OSError as e:
+            raise SpecError(
+                f"cannot read launch spec {p}: {e.strerror}; render it with "
+                "`geotrain render --stack S --out DIR`"
+            ) from None
+        return LaunchSpec.from_json(text, str(p))
+
+
+def _from_dict(raw: Any, source: str) -> LaunchSpec:
+    if not isinstance(raw, dict):
+        raise SpecError(f"{source}: the spec must be a JSON object")
+    if raw.get("version") != SPEC_VERSION:
+        raise SpecError(
+            f"{source}: spec version {raw.get('version')!r} is not supported; "
+            f"this runtime reads version {SPEC_VERSION}"
+        )
+    try:
+        regions = [
+            RegionSpec(
+                name=r["name"],
+                jurisdiction=r["jurisdiction"],
+                nodes=[NodeSpec(**n) for n in r["nodes"]],
+                shards=[ShardSpec(**s) for s in r["shards"]],
+            )
+            for r in raw["regions"]
+        ]
+        body = {
+            k: v for k, v in raw.items() if k not in ("regions", "codec", "diloco", "checkpoint")
+        }
+        spec = LaunchSpec(
+            regions=regions,
+            codec=CodecSpec(**raw["codec"]),
+            diloco=DilocoSpec(**raw["diloco"]),
+            checkpoint=CheckpointSpec(**raw["checkpoint"]),
+            **body,
+        )
+    except (KeyError, TypeError) as e:
+        raise SpecError(
+            f"{source}: malformed launch spec ({e}); re-render it with `geotrain render`"
+        ) from None
+    _check_ranks(spec, source)
+    return spec
+
+
+def _check_ranks(spec: LaunchSpec, source: str) -> None:
+    expect = 0
+    for r in spec.regions:
+        if not r.nodes:
+            raise SpecError(f"{source}: region {r.name} has no nodes")
+        for n in r.nodes:
+            if n.first_rank != expect or n.nprocs < 1:
+                raise SpecError(
+                    f"{source}: node {n.name} has first_rank {n.first_rank} "
+                    f"and nprocs {n.nprocs}; ranks must be contiguous from 0 "
+                    f"(expected first_rank {expect})"
+                )
+            expect += n.nprocs
+    sizes = {sum(n.nprocs for n in r.nodes) for r in spec.regions}
+    if len(sizes) != 1:
+        raise SpecError(
+            f"{source}: regions have different worker counts {sorted(sizes)}; "
+            "the hierarchical all-reduce pairs local ranks across regions, so "
+            "every region needs the same number of workers"
+        )
