@@ -11,6 +11,7 @@ import hashlib
 import posixpath
 import shlex
 from dataclasses import dataclass
+from typing import Any
 
 import pulumi
 from pulumi_command import local, remote
@@ -45,7 +46,7 @@ def run(
     stdin: Content | None = None,
 ) -> local.Command | remote.Command:
     """A command on the target; create/delete are POSIX sh."""
-    kw = {
+    kw: dict[str, Any] = {
         "create": target.sh(create),
         "delete": target.sh(delete) if delete else None,
         "triggers": triggers,

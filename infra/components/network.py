@@ -8,13 +8,15 @@ from the same renderers. local: regions share loopback; there is nothing to buil
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import pulumi
 
 from infra.components.delivery import run, write_file
 from infra.components.targets import node_target
-from infra.plan import Plan
+from infra.plan import Plan, Tunnel
 from infra.render import render_frr, render_sysctl, render_wireguard
 from infra.render.network import WG_KEY_DIR, frr_daemons
 
@@ -85,8 +87,10 @@ class Overlay(pulumi.ComponentResource):
                 opts,
             )
             for t in plan.tunnels_of(r.name):
-                ifname = t.side(r.name)[4]
-                conf = all_keys.apply(lambda k, r=r, t=t: render_wireguard(plan, r.name, t, k))
+                ifname = t.side(r.name).ifname
+                conf: pulumi.Output[str] = all_keys.apply(
+                    functools.partial(_wg_conf, plan, r.name, t)
+                )
                 f = write_file(
                     f"{name}-{gw.name}-{ifname}-conf",
                     target,
@@ -105,6 +109,10 @@ class Overlay(pulumi.ComponentResource):
                     triggers=[f.triggers],
                 )
         return keys
+
+
+def _wg_conf(plan: Plan, region: str, tunnel: Tunnel, keys: Mapping[str, str]) -> str:
+    return render_wireguard(plan, region, tunnel, keys)
 
 
 @dataclass

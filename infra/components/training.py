@@ -72,7 +72,7 @@ class TrainingDeployment(pulumi.ComponentResource):
             after,
         )
         # the run key is a secret in state: never shown by preview, encrypted at rest
-        key = pulumi.Output.secret(keygen.stdout)
+        key: pulumi.Output[str] = pulumi.Output.secret(keygen.stdout)
         for n in plan.nodes:
             target = node_target(plan.model, n)
             node_opts = pulumi.ResourceOptions(parent=self, depends_on=[keygen])

@@ -19,6 +19,7 @@ PoolKind = Literal["local", "lab", "ssh", "kubernetes"]
 SyncMode = Literal["allreduce", "diloco"]
 Quantize = Literal["none", "fp16", "bf16", "int8", "int4"]
 Cipher = Literal["sm4-gcm", "aes-gcm", "none"]
+_CN: Jurisdiction = "CN"
 
 
 class Strict(BaseModel):
@@ -234,7 +235,7 @@ class Policy(Strict):
     """Budget: estimated hourly cost from the price table."""
     gpu_prices: dict[str, float] = Field(default_factory=dict)
     """Overrides of the default USD/GPU-hour prices."""
-    encryption_required_for: list[Jurisdiction] = Field(default_factory=lambda: ["CN"])
+    encryption_required_for: list[Jurisdiction] = Field(default_factory=lambda: [_CN])
     """Jurisdictions whose regions require payload encryption with sm4-gcm."""
     max_checkpoint_interval_minutes: float = 30
     """Checkpoints at least this often."""

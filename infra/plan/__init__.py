@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import ipaddress
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from infra.model.gpus import GPU_TYPES
 from infra.model.schema import Link, StackModel
@@ -77,11 +78,10 @@ class Tunnel:
     prepend: int
     """AS-path prepends that turn link cost into BGP preference."""
 
-    def side(self, region: str) -> tuple[str, str, int, int, str, str, str, str]:
-        """(local ip, peer ip, local port, peer port, ifname, peer region, local
-        underlay, peer underlay) as seen from `region`."""
+    def side(self, region: str) -> TunnelEnd:
+        """The tunnel as seen from `region`'s gateway."""
         if region == self.a:
-            return (
+            return TunnelEnd(
                 self.a_ip,
                 self.b_ip,
                 self.a_port,
@@ -91,7 +91,7 @@ class Tunnel:
                 self.a_underlay,
                 self.b_underlay,
             )
-        return (
+        return TunnelEnd(
             self.b_ip,
             self.a_ip,
             self.b_port,
@@ -101,6 +101,17 @@ class Tunnel:
             self.b_underlay,
             self.a_underlay,
         )
+
+
+class TunnelEnd(NamedTuple):
+    ip: str
+    peer_ip: str
+    port: int
+    peer_port: int
+    ifname: str
+    peer: str
+    underlay: str
+    peer_underlay: str
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ def render_all(plan: Plan, pubkeys: Mapping[str, str] | None = None) -> list[Art
         gw = r.gateway.name
         if r.kind != "local":
             for t in plan.tunnels_of(r.name):
-                ifname = t.side(r.name)[4]
+                ifname = t.side(r.name).ifname
                 out.append(
                     Artifact(
                         f"nodes/{gw}/wireguard/{ifname}.conf",

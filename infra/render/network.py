@@ -28,7 +28,8 @@ def render_wireguard(
     tunnel has its own interface; the routing table picks the interface, WireGuard only
     authenticates the peer. The private key is read from a file on the host (PostUp).
     """
-    local_ip, peer_ip, port, peer_port, ifname, peer, _, peer_underlay = tunnel.side(region)
+    end = tunnel.side(region)
+    peer, local_ip, port = end.peer, end.ip, end.port
     peer_gw = plan.region(peer).gateway.name
     key = (pubkeys or {}).get(peer_gw, pubkey_placeholder(peer_gw))
     mtu = plan.model.network.mtu
@@ -44,7 +45,7 @@ def render_wireguard(
         "\n[Peer]\n"
         f"# {peer_gw}\n"
         f"PublicKey = {key}\n"
-        f"Endpoint = {peer_underlay}:{peer_port}\n"
+        f"Endpoint = {end.peer_underlay}:{end.peer_port}\n"
         "AllowedIPs = 0.0.0.0/0\n"
         "PersistentKeepalive = 15\n"
     )
@@ -88,7 +89,7 @@ def render_frr(plan: Plan, region: str) -> str:
         "!",
     ]
     for t in plan.tunnels_of(region):
-        _, peer_ip, _, _, _, peer, _, _ = t.side(region)
+        peer_ip, peer = t.side(region).peer_ip, t.side(region).peer
         lines += [f"route-map GT-OUT-{peer} permit 10", " match ip address prefix-list GT-OVERLAY"]
         if t.prepend:
             lines.append(" set as-path prepend " + " ".join([str(r.asn)] * t.prepend))
@@ -107,7 +108,8 @@ def render_frr(plan: Plan, region: str) -> str:
         " timers bgp 3 9",
     ]
     for t in plan.tunnels_of(region):
-        _, peer_ip, _, _, ifname, peer, _, _ = t.side(region)
+        end = t.side(region)
+        peer_ip, peer, ifname = end.peer_ip, end.peer, end.ifname
         lines += [
             f" neighbor {peer_ip} remote-as {plan.region(peer).asn}",
             f" neighbor {peer_ip} description {peer} via {ifname}",
@@ -115,7 +117,7 @@ def render_frr(plan: Plan, region: str) -> str:
         ]
     lines += [" !", " address-family ipv4 unicast", f"  network {r.subnet}"]
     for t in plan.tunnels_of(region):
-        _, peer_ip, _, _, _, peer, _, _ = t.side(region)
+        peer_ip, peer = t.side(region).peer_ip, t.side(region).peer
         lines += [
             f"  neighbor {peer_ip} route-map GT-IN-{peer} in",
             f"  neighbor {peer_ip} route-map GT-OUT-{peer} out",

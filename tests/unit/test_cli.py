@@ -1,0 +1,46 @@
+"""The CLI: commands work on every stack; bad input is one line and exit code 2."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner
+
+from geotrain.cli import cli
+from geotrain.commands import register  # noqa: F401
+
+
+@pytest.mark.parametrize("stack", ["local", "lab", "global"])
+def test_validate_render_graph_work_for_every_stack(stack: str, tmp_path: Path) -> None:
+    runner = CliRunner()
+    assert runner.invoke(cli, ["validate", "--stack", stack]).exit_code == 0
+    r = runner.invoke(cli, ["render", "--stack", stack, "--out", str(tmp_path)])
+    assert r.exit_code == 0, r.output
+    assert (tmp_path / "launch-spec.json").is_file()
+    g = runner.invoke(cli, ["graph", "--stack", stack])
+    assert g.exit_code == 0, g.output
+    for token in (
+        "geotrain:pool:RegionPool",
+        "geotrain:network:Overlay",
+        "geotrain:routing:Routing",
+        "geotrain:monitoring:Monitoring",
+        "geotrain:training:TrainingDeployment",
+    ):
+        assert token in g.output
+
+
+def test_graph_global_lists_per_region_resources() -> None:
+    out = CliRunner().invoke(cli, ["graph", "--stack", "global"]).output
+    for region in ("beijing", "frankfurt", "silicon-valley"):
+        assert f"{region}-pool" in out
+    assert "overlay-bj-0-wgkey" in out and "routing-fra-0-frr-reload" in out
+
+
+def test_broken_stack_is_one_line_exit_2(write_stack: Any) -> None:
+    f = write_stack("local", lambda c: c["geotrain:regions"][1].__setitem__("asn", 64601))
+    r = CliRunner().invoke(cli, ["validate", "--stack", str(f)])
+    assert r.exit_code == 2
+    lines = [ln for ln in r.output.splitlines() if ln]
+    assert len(lines) == 1 and "duplicate ASN" in lines[0] and "Traceback" not in r.output
