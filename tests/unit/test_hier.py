@@ -1,0 +1,143 @@
+"""Hierarchical all-reduce on a real 3-region x 2-rank gloo world (spawned processes)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from training.codec import Codec
+from training.errors import PayloadRejected
+from training.hier import HierarchicalAllReduce, HookState, ddp_comm_hook, flat_average
+from training.spec import CodecSpec
+from training.testing import make_spec, run_world
+from training.topology import Topology, make_groups
+
+pytestmark = pytest.mark.timeout(180)
+REGIONS, LOCAL = 3, 2
+WORLD = REGIONS * LOCAL
+KEY = bytes(range(32))
+
+
+def _sync(
+    rank: int, quant: str, cipher: str = "sm4-gcm", ef: bool = True, codec: Codec | None = None
+) -> HierarchicalAllReduce:
+    spec = make_spec(REGIONS, LOCAL)
+    topo = Topology.of(spec, rank)
+    groups = make_groups(topo, torch.device("cpu"))
+    codec = codec or Codec(CodecSpec(quantize=quant, cipher=cipher, block_size=64), KEY)
+    return HierarchicalAllReduce(topo, groups, codec, spec.run_id, error_feedback=ef)
+
+
+def _compare(rank: int, world: int, quant: str, integer: bool) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(100 + rank)
+    n = 4099  # not a multiple of L: exercises padding
+    x = (
+        torch.randint(-50, 50, (n,), generator=g).float()
+        if integer
+        else torch.randn(n, generator=g)
+    )
+    sync = _sync(rank, quant)
+    return {
+        "hier": sync.all_reduce(x, step=1),
+        "flat": flat_average(x),
+        "wire": sync.stats.cross_wire_bytes,
+        "raw": sync.stats.cross_raw_bytes,
+    }
+
+
+def test_fp32_hierarchical_equals_flat_all_reduce_bitwise_on_exact_values() -> None:
+    out = run_world(_compare, WORLD, "none", True)
+    for r in out:
+        assert torch.equal(r["hier"], r["flat"])
+    assert all(torch.equal(out[0]["hier"], r["hier"]) for r in out)
+
+
+@pytest.mark.parametrize(
+    ("quant", "bound"), [("none", 1e-6), ("fp16", 1e-3), ("int8", 2e-2), ("int4", 0.2)]
+)
+def test_compressed_sync_is_within_bounds_and_identical_on_every_rank(
+    quant: str, bound: float
+) -> None:
+    out = run_world(_compare, WORLD, quant, False)
+    for r in out:
+        rel = ((r["hier"] - r["flat"]).norm() / r["flat"].norm()).item()
+        assert rel <= bound, f"{quant}: {rel}"
+        # every region decoded the same payloads and summed in the same order
+        assert torch.equal(r["hier"], out[0]["hier"])
+    if quant in ("int8", "int4"):
+        assert out[0]["wire"] < out[0]["raw"] / (3 if quant == "int8" else 6)
+
+
+def _feedback(rank: int, world: int, ef: bool) -> list[float]:
+    sync = _sync(rank, "int4", ef=ef)
+    g = torch.Generator().manual_seed(7 + rank)
+    bias = torch.randn(2048, generator=torch.Generator().manual_seed(99)) * 0.1
+    err_sum = torch.zeros(2048)
+    norms = []
+    for step in range(100):
+        x = bias + 0.01 * torch.randn(2048, generator=g)  # a persistent gradient direction
+        err_sum += sync.all_reduce(x, step=step) - flat_average(x)
+        norms.append(err_sum.norm().item())
+    return norms
+
+
+def test_error_feedback_keeps_accumulated_error_bounded_over_100_steps() -> None:
+    with_ef = run_world(_feedback, WORLD, True)[0]
+    without = run_world(_feedback, WORLD, False)[0]
+    assert max(with_ef[50:]) < 2.0 * max(with_ef[:10]) + 1e-6, with_ef[::10]
+    assert with_ef[-1] < 0.1 * without[-1], (with_ef[-1], without[-1])
+
+
+class _Tampering(Codec):
+    """Failure injector: flips one ciphertext byte of every payload it sends."""
+
+    def encode(self, x: torch.Tensor, addr: Any) -> Any:
+        payload, decoded = super().encode(x, addr)
+        b = bytearray(payload)
+        b[-20] ^= 0xFF
+        return bytes(b), decoded
+
+
+def _tampered(rank: int, world: int) -> tuple[str, float]:
+    spec = CodecSpec(quantize="int8", cipher="sm4-gcm")
+    codec = _Tampering(spec, KEY) if rank == 2 else Codec(spec, KEY)  # a frankfurt worker
+    sync = _sync(rank, "int8", codec=codec)
+    try:
+        y = sync.all_reduce(torch.ones(1000), step=3)
+    except PayloadRejected:
+        return "rejected", 0.0
+    except RuntimeError:  # a peer that rejected left the collective: abort, apply nothing
+        return "aborted", 0.0
+    return "applied", y.mean().item()
+
+
+def test_a_tampered_payload_is_rejected_by_its_receivers_and_never_applied() -> None:
+    out = run_world(_tampered, WORLD)
+    # rank 2 (frankfurt, local rank 0) sends to ranks 0 and 4: both must reject it
+    assert out[0][0] == "rejected" and out[4][0] == "rejected", out
+    for status, value in out:
+        if status == "applied":  # only ranks that never received the bad payload
+            assert value == pytest.approx(1.0, abs=1e-2)
+    assert [s for s, _ in out].count("applied") <= 2
+
+
+def _ddp(rank: int, world: int, hooked: bool) -> torch.Tensor:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    if hooked:
+        ddp.register_comm_hook(HookState(_sync(rank, "fp16")), ddp_comm_hook)
+    x = torch.randn(16, 32, generator=torch.Generator().manual_seed(rank))
+    ddp(x).square().mean().backward()
+    return torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+
+
+def test_ddp_comm_hook_matches_default_ddp_gradients() -> None:
+    hooked = run_world(_ddp, WORLD, True)
+    plain = run_world(_ddp, WORLD, False)
+    for h, p in zip(hooked, plain, strict=True):
+        assert ((h - p).norm() / p.norm()).item() < 2e-3
+    assert dist.is_available()

@@ -1,0 +1,114 @@
+"""Helpers to run a function on a real multi-process gloo world on this machine (tests and
+benchmarks): one TCPStore on port 0 in the parent, spawned workers, results returned."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from training.spec import LaunchSpec, NodeSpec, RegionSpec, ShardSpec
+
+REGION_NAMES = ("beijing", "frankfurt", "silicon-valley", "singapore")
+JURISDICTIONS = ("CN", "EU", "US", "SG")
+
+
+def make_spec(regions: int = 3, local: int = 2, **overrides: Any) -> LaunchSpec:
+    """A launch spec for `regions` x `local` CPU workers on 127.0.0.1."""
+    rs = []
+    for i in range(regions):
+        rs.append(
+            RegionSpec(
+                name=REGION_NAMES[i],
+                jurisdiction=JURISDICTIONS[i],
+                nodes=[
+                    NodeSpec(
+                        name=f"n{i}",
+                        host="127.0.0.1",
+                        first_rank=i * local,
+                        nprocs=local,
+                        device="cpu",
+                    )
+                ],
+                shards=[
+                    ShardSpec(name=f"s{i}", jurisdiction=JURISDICTIONS[i], uri="pydoc-topics:auto")
+                ],
+            )
+        )
+    base: dict[str, Any] = {
+        "run_id": "test-run",
+        "stack": "test",
+        "master_addr": "127.0.0.1",
+        "master_port": 0,
+        "regions": rs,
+    }
+    base.update(overrides)
+    return LaunchSpec(**base)
+
+
+def _entry(
+    rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple[Any, ...], queue: Any
+) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    try:
+        store = dist.TCPStore("127.0.0.1", port, world, False, timeout=timedelta(seconds=60))
+        dist.init_process_group(
+            "gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=60)
+        )
+        # plain pickle copies tensors; the queue's own pickler would share memory that
+        # disappears when this process exits
+        queue.put((rank, "ok", pickle.dumps(fn(rank, world, *args))))
+    except BaseException as e:  # report every failure to the parent, typed
+        queue.put((rank, "error", (type(e).__name__, str(e), traceback.format_exc())))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_world(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 120) -> list[Any]:
+    """Run fn(rank, world, *args) on `world` spawned ranks; returns results by rank.
+    Raises RuntimeError naming the ranks that failed (with their exception)."""
+    ctx = mp.get_context("spawn")
+    store = dist.TCPStore("127.0.0.1", 0, world + 1, True, wait_for_workers=False)
+    queue = ctx.Queue()
+    procs = [
+        ctx.Process(target=_entry, args=(r, world, store.port, fn, args, queue), daemon=True)
+        for r in range(world)
+    ]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    errors: dict[int, Any] = {}
+    try:
+        for _ in range(world):
+            rank, status, value = queue.get(timeout=timeout)
+            if status == "ok":
+                results[rank] = pickle.loads(value)
+            else:
+                errors[rank] = value
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+    if errors:
+        raise WorldError(errors)
+    return [results[r] for r in range(world)]
+
+
+class WorldError(RuntimeError):
+    def __init__(self, errors: dict[int, Any]) -> None:
+        self.errors = errors
+        first = min(errors)
+        super().__init__(
+            f"ranks {sorted(errors)} failed; rank {first}: "
+            f"{errors[first][0]}: {errors[first][1]}\n{errors[first][2]}"
+        )
