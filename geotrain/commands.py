@@ -1,3 +1,148 @@
-"""Commands added by later parts (train, launch); imported by main() to register them."""
+"""Runtime commands: `geotrain train` (a whole single-machine stack) and `geotrain launch`
+(one node's workers, what SSH hosts and pods run)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import socket
+from pathlib import Path
+
+import click
+
+from geotrain.cli import STACK, cli, friendly
+from training.errors import SpecError
 
 register = True
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def prepare_local_run(
+    stack: str, fresh: bool, steps: int | None = None
+) -> tuple[object, Path, Path]:
+    """Render the spec of a single-machine stack into .geotrain/<stack>/ with a key."""
+    from infra.model import load_stack
+    from infra.plan import build_plan
+    from infra.render import render_launch_spec
+    from training.keys import create_key_file
+
+    model = load_stack(stack)
+    plan = build_plan(model)
+    kinds = {r.kind for r in plan.regions}
+    if not kinds <= {"local", "lab"}:
+        raise SpecError(
+            f"stack {model.stack} runs on {sorted(kinds)} pools; `geotrain train` "
+            "runs single-machine stacks (local, lab). For ssh/kubernetes use "
+            "`pulumi up`, which starts `geotrain launch` on every node"
+        )
+    spec = render_launch_spec(plan)
+    run_dir = Path(".geotrain") / model.stack
+    if fresh:
+        shutil.rmtree(Path(spec.checkpoint.dir), ignore_errors=True)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    # the rendezvous port is chosen now: a fixed port may be taken on a shared machine
+    spec = dataclasses.replace(spec, master_port=free_port(), steps=steps or spec.steps)
+    spec_path = run_dir / "launch-spec.json"
+    spec_path.write_text(spec.to_json())
+    create_key_file(Path(spec.key_file))
+    (run_dir / "events.jsonl").unlink(missing_ok=True)
+    return spec, spec_path, run_dir
+
+
+@cli.command()
+@STACK
+@click.option("--fresh", is_flag=True, help="Delete this run's checkpoints first.")
+@click.option("--steps", type=int, default=None, help="Override the stack's step count.")
+@friendly
+def train(stack: str, fresh: bool, steps: int | None) -> None:
+    """Train on a single-machine stack (local, lab): every region's workers start here."""
+    from training.launch import launch
+    from training.report import EventLog, Progress, format_report, summarize
+
+    spec, spec_path, run_dir = prepare_local_run(stack, fresh, steps)
+    assert isinstance(spec_path, Path) and isinstance(run_dir, Path)
+    from training.spec import LaunchSpec
+
+    assert isinstance(spec, LaunchSpec)
+    nodes = [n for r in spec.regions for n in r.nodes]
+    click.echo(
+        f"run {spec.run_id}: {spec.world_size} workers in {len(spec.regions)} regions "
+        f"({', '.join(r.name for r in spec.regions)}), {spec.sync}, codec "
+        f"{spec.codec.quantize}+zstd+{spec.codec.cipher}; logs in {run_dir}/logs"
+    )
+    log = EventLog(run_dir / "events.jsonl")
+    progress = Progress(log, spec.steps)
+
+    def restarted(a: object) -> None:
+        click.echo(
+            f"\nworker {getattr(a, 'failed', '?')} exited with "
+            f"{getattr(a, 'rc', '?')}; restarting from the newest checkpoint"
+        )
+
+    result = launch(spec, spec_path, nodes, run_dir, on_poll=progress.update, on_restart=restarted)
+    progress.update()
+    click.echo("")
+    report = summarize(log, spec.steps)
+    (run_dir / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    if not result.ok:
+        last = result.attempts[-1]
+        tail = _log_tail(run_dir / "logs", last.failed)
+        raise SpecError(
+            f"training failed: worker {last.failed} exited with {last.rc} after "
+            f"{len(result.attempts)} attempt(s); {tail}"
+        )
+    click.echo(format_report(report))
+    click.echo(f"report saved to {run_dir / 'report.json'}")
+
+
+def _log_tail(log_dir: Path, worker: str | None) -> str:
+    if not worker:
+        return "see the logs"
+    node, rank = worker.split("/")
+    path = log_dir / f"{node}-{rank}.log"
+    try:
+        lines = [ln for ln in path.read_text(errors="replace").splitlines() if ln.strip()]
+    except OSError:
+        return f"see {path}"
+    return f"its last line: {lines[-1] if lines else '(empty)'} ({path})"
+
+
+@cli.command("launch")
+@click.option(
+    "--spec",
+    "spec_file",
+    required=True,
+    type=click.Path(dir_okay=False),
+    help="Launch spec JSON (the stack's launch_spec output).",
+)
+@click.option("--node", required=True, help="This node's name in the spec.")
+@click.option(
+    "--run-dir",
+    default=".geotrain/run",
+    show_default=True,
+    help="Where events, logs and the final weights go.",
+)
+@friendly
+def launch_node(spec_file: str, node: str, run_dir: str) -> None:
+    """Start one node's workers (what SSH hosts and Kubernetes pods run)."""
+    from training.launch import launch
+    from training.spec import LaunchSpec
+
+    spec = LaunchSpec.load(spec_file)
+    _, n = spec.node(node)
+    rd = Path(run_dir)
+    rd.mkdir(parents=True, exist_ok=True)
+    result = launch(spec, Path(spec_file), [n], rd)
+    if not result.ok:
+        last = result.attempts[-1]
+        raise SpecError(
+            f"node {node}: worker {last.failed} exited with {last.rc} after "
+            f"{len(result.attempts)} attempt(s); {_log_tail(rd / 'logs', last.failed)}"
+        )
+    click.echo(f"node {node}: done")

@@ -129,7 +129,8 @@ class LaunchSpec:
     key_file: str = ".geotrain/run.key"
     """File with the run's hex key."""
     metrics_port: int = 9400
-    """Local rank i serves Prometheus metrics on metrics_port + i."""
+    """Local rank i serves Prometheus metrics on metrics_port + i (0: off); see
+    metrics_port()."""
     metrics_bind: str = "127.0.0.1"
     """Bind address for metrics ('private' = the node's host)."""
     max_restarts: int = 3
@@ -175,6 +176,14 @@ class LaunchSpec:
                 "`geotrain render --stack S --out DIR`"
             ) from None
         return LaunchSpec.from_json(text, str(p))
+
+
+def metrics_port(base: int, first_rank: int, local_rank: int, shared_host: bool) -> int:
+    """Port of a worker's metrics endpoint; 0 disables metrics. When every node shares one
+    host (the local stack), ports are offset by global rank so they do not collide."""
+    if base == 0:
+        return 0
+    return base + (first_rank if shared_host else 0) + local_rank
 
 
 def _from_dict(raw: Any, source: str) -> LaunchSpec:

@@ -260,7 +260,14 @@ def _monitoring(m: StackModel, source: str) -> None:
             f"'{mon.host}' is not a node of this stack; use one of {', '.join(nodes)}",
         )
     most = max(n.gpus for r in m.regions for n in r.pool.nodes)
-    span = range(mon.metrics_port, mon.metrics_port + most)
+    if 0 < mon.metrics_port < 1024:
+        raise _err(
+            source,
+            "monitoring.metrics_port",
+            f"{mon.metrics_port} is a privileged "
+            "port; use 1024-65000, or 0 to turn runtime metrics off",
+        )
+    span = range(mon.metrics_port, mon.metrics_port + most) if mon.metrics_port else range(0)
     for key in ("node_exporter_port", "dcgm_exporter_port", "prometheus_port", "grafana_port"):
         if getattr(mon, key) in span:
             raise _err(

@@ -206,8 +206,8 @@ class Training(Strict):
 class Monitoring(Strict):
     enabled: bool = True
     """Render and deliver monitoring."""
-    metrics_port: int = Field(default=9400, ge=1024, le=65000)
-    """First runtime metrics port; local rank i serves on port + i."""
+    metrics_port: int = Field(default=9400, ge=0, le=65000)
+    """First runtime metrics port; local rank i serves on port + i (0: no metrics)."""
     node_exporter_port: int = Field(default=9100, ge=1024, le=65535)
     """node-exporter port on every node."""
     dcgm_exporter_port: int = Field(default=9500, ge=1024, le=65535)

@@ -9,6 +9,7 @@ import yaml
 
 from infra.plan import Plan, PlanNode
 from training import metric_names as mn
+from training.spec import metrics_port
 
 RULES_FILE = "rules/geotrain.rules.yml"
 
@@ -24,9 +25,9 @@ def render_prometheus(plan: Plan) -> str:
     for n in plan.nodes:
         host = scrape_host(plan, n)
         labels = {"region": n.region, "node": n.name}
-        runtime.append(
-            {"targets": [f"{host}:{mon.metrics_port + i}" for i in range(n.gpus)], "labels": labels}
-        )
+        shared = n.kind == "local"  # every local node is this machine: offset by rank
+        ports = [metrics_port(mon.metrics_port, n.first_rank, i, shared) for i in range(n.gpus)]
+        runtime.append({"targets": [f"{host}:{p}" for p in ports], "labels": labels})
         if n.kind != "local":  # local runs expose only the runtime; no exporters to assume
             node_exp.append({"targets": [f"{host}:{mon.node_exporter_port}"], "labels": labels})
             if n.device == "cuda":

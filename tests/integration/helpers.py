@@ -1,0 +1,68 @@
+"""Running `geotrain train` on small stacks in a temporary directory."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+STACKS = Path(__file__).resolve().parents[2] / "stacks"
+
+
+def small_stack(tmp: Path, name: str, **training: Any) -> Path:
+    """The local stack, shrunk for 2 cores: few steps, short sequences, metrics off."""
+    doc = yaml.safe_load((STACKS / "Pulumi.local.yaml").read_text())
+    cfg = doc["config"]
+    t = cfg["geotrain:training"]
+    t.update(
+        {
+            "steps": 8,
+            "batch_size": 2,
+            "seq_len": 32,
+            "max_restarts": 2,
+            "checkpoint": {"interval_steps": 3, "keep": 2},
+        }
+    )
+    for k, v in training.items():
+        if isinstance(v, dict) and isinstance(t.get(k), dict):
+            t[k] = {**t[k], **v}
+        else:
+            t[k] = v
+    cfg["geotrain:monitoring"]["metrics_port"] = 0
+    path = tmp / f"Pulumi.{name}.yaml"
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return path
+
+
+def geotrain(*args: str, cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.run(
+        [sys.executable, "-m", "geotrain", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def start(*args: str, cwd: Path) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "geotrain", *args],
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def events(run_dir: Path) -> list[dict[str, Any]]:
+    path = run_dir / "events.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(ln) for ln in path.read_text().splitlines() if ln.endswith("}")]

@@ -1,0 +1,144 @@
+"""`geotrain train` on real processes: a run, a kill -9 and its recovery, bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.integration.helpers import events, geotrain, small_stack, start
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def _final(cwd: Path, name: str) -> dict[str, torch.Tensor]:
+    return torch.load(cwd / ".geotrain" / name / "final.pt")
+
+
+def test_train_runs_three_regions_and_reports(tmp_path: Path) -> None:
+    stack = small_stack(tmp_path, "run")
+    r = geotrain("train", "--stack", str(stack), cwd=tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    report = json.loads((tmp_path / ".geotrain/run/report.json").read_text())
+    assert report["world"] == 6 and report["regions"] == 3 and report["steps"] == 8
+    curve = list(report["loss_curve"].values())
+    assert curve[-1] < curve[0]
+    assert report["compression_ratio"] > 3  # int8 + zstd
+    assert 0 < report["bytes_vs_flat_fp32"] < 1
+    assert "cross-region bytes" in r.stdout and "compression ratio" in r.stdout
+    # only committed, verified checkpoints remain, at most `keep`
+    ckpts = sorted((tmp_path / ".geotrain/run/checkpoints").glob("step-*"))
+    assert [p.name for p in ckpts] == ["step-3", "step-6"]
+    assert all((p / "COMMITTED").exists() for p in ckpts)
+
+
+def test_kill_9_resumes_and_ends_bitwise_equal_to_an_uninterrupted_run(tmp_path: Path) -> None:
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    ref = geotrain("train", "--stack", str(small_stack(a, "same")), cwd=a)
+    assert ref.returncode == 0, ref.stdout + ref.stderr
+
+    proc = start("train", "--stack", str(small_stack(b, "same")), cwd=b)
+    kill_at = random.Random(os.getpid()).randint(4, 7)
+    run_dir = b / ".geotrain" / "same"
+    deadline = time.monotonic() + 300
+    victim = None
+    while victim is None and time.monotonic() < deadline:
+        ev = events(run_dir)
+        if any(e["event"] == "step" and e["step"] >= kill_at for e in ev):
+            victim = random.Random(kill_at).choice([e["pid"] for e in ev if e["event"] == "start"])
+            os.kill(victim, signal.SIGKILL)
+        time.sleep(0.05)
+    out, _ = proc.communicate(timeout=300)
+    assert victim is not None, out
+    assert proc.returncode == 0, out
+    assert "restarting from the newest checkpoint" in out
+    resumed = [e["step"] for e in events(run_dir) if e["event"] == "resume"]
+    assert resumed, out
+    # lost work is at most one checkpoint interval (3 steps)
+    assert min(resumed) >= kill_at - 3
+    ra, rb = _final(a, "same"), _final(b, "same")
+    for k in ra:
+        assert torch.equal(ra[k], rb[k]), k
+
+
+def _rendered_spec(tmp: Path, **changes: object) -> Path:
+    r = geotrain(
+        "render", "--stack", str(small_stack(tmp, "spec")), "--out", str(tmp / "r"), cwd=tmp
+    )
+    assert r.returncode == 0, r.stderr
+    path = tmp / "r" / "launch-spec.json"
+    spec = json.loads(path.read_text())
+    spec.update(changes)
+    path.write_text(json.dumps(spec))
+    return path
+
+
+@pytest.mark.parametrize("case", ["missing", "world-readable", "not-hex"])
+def test_bad_key_file_fails_before_rendezvous_without_restarts(tmp_path: Path, case: str) -> None:
+    key = tmp_path / "run.key"
+    if case != "missing":
+        key.write_text("zz" * 32 if case == "not-hex" else "ab" * 32)
+        key.chmod(0o600 if case == "not-hex" else 0o644)
+    spec = _rendered_spec(tmp_path, key_file=str(key))
+    r = geotrain(
+        "launch",
+        "--spec",
+        str(spec),
+        "--node",
+        "bj-0",
+        "--run-dir",
+        str(tmp_path / "run"),
+        cwd=tmp_path,
+        timeout=120,
+    )
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "after 1 attempt(s)" in r.stderr and "key file" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_spec_world_size_mismatch_is_a_clear_error(tmp_path: Path) -> None:
+    from training.errors import SpecError
+    from training.spec import LaunchSpec
+    from training.worker import preflight
+
+    spec = LaunchSpec.load(_rendered_spec(tmp_path))
+    os.environ["WORLD_SIZE"] = "4"
+    try:
+        with pytest.raises(SpecError, match="WORLD_SIZE=4 but the spec"):
+            preflight(spec, "bj-0", 0)
+    finally:
+        del os.environ["WORLD_SIZE"]
+
+
+def test_region_without_a_shard_is_a_clear_error(tmp_path: Path) -> None:
+    stack = small_stack(
+        tmp_path,
+        "noshard",
+        data_shards=[
+            {"name": "cn", "jurisdiction": "CN", "region": "beijing"},
+            {"name": "eu", "jurisdiction": "EU", "region": "frankfurt"},
+        ],
+    )
+    r = geotrain("train", "--stack", str(stack), cwd=tmp_path)
+    assert r.returncode == 2
+    assert "silicon-valley has no data shard" in r.stderr, r.stderr
+
+
+def test_diloco_regions_hold_identical_weights_after_every_merge(tmp_path: Path) -> None:
+    stack = small_stack(tmp_path, "dl", sync="diloco", steps=9, diloco={"inner_steps": 3})
+    r = geotrain("train", "--stack", str(stack), cwd=tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    merges: dict[int, set[str]] = {}
+    for e in events(tmp_path / ".geotrain/dl"):
+        if e["event"] == "step" and e["merged"]:
+            merges.setdefault(e["step"], set()).add(e["digest"])
+    assert sorted(merges) == [3, 6, 9]
+    assert all(len(d) == 1 for d in merges.values()), merges

@@ -1,0 +1,200 @@
+"""Checkpoints with torch.distributed.checkpoint (DCP), committed and verified.
+
+Layout: <root>/step-<N>/ holds DCP's files, then `manifest.json` (SHA-256 of every file,
+the run id and step, HMAC-SHA256 under a key derived from the run key), then `COMMITTED`
+(written last, by atomic rename). A directory without a valid marker is torn and never
+loaded. DCP's metadata is a pickle: nothing is handed to DCP before the manifest verifies.
+
+Saves are asynchronous (`dcp.async_save` on a dedicated gloo group, so the training loop
+only waits for the in-memory staging); rank 0 commits when every rank's write is done
+and then prunes to `keep` committed checkpoints. Never overwrites a committed step.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import hashlib
+import hmac
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from training.codec import derive_key
+from training.errors import CheckpointError
+
+MARKER = "COMMITTED"
+MANIFEST = "manifest.json"
+PREFIX = "step-"
+
+
+def step_of(path: Path) -> int:
+    return int(path.name[len(PREFIX) :])
+
+
+def _digest_files(d: Path) -> dict[str, str]:
+    out = {}
+    for f in sorted(d.rglob("*")):
+        if f.is_file() and f.name not in (MARKER, MANIFEST) and not f.name.endswith(".tmp"):
+            out[str(f.relative_to(d))] = hashlib.sha256(f.read_bytes()).hexdigest()
+    return out
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+@dataclass
+class Checkpointer:
+    root: Path
+    run_id: str
+    run_key: bytes
+    keep: int
+    rank: int
+    group: Any = None
+    """Process group for DCP's collectives (a dedicated gloo group)."""
+    pending: concurrent.futures.Future[Any] | None = None
+    log: list[str] = field(default_factory=list)
+    """Human-readable notes (torn checkpoints skipped, ...), for the launcher's report."""
+
+    def __post_init__(self) -> None:
+        self._mac_key = derive_key(self.run_key, "checkpoint-manifest", 32)
+        if self.rank == 0:
+            try:
+                self.root.mkdir(parents=True, exist_ok=True)
+                probe = self.root / ".write-probe"
+                probe.write_text("ok")
+                probe.unlink()
+            except OSError as e:
+                raise CheckpointError(
+                    f"checkpoint dir {self.root} is not writable "
+                    f"({e.strerror}); fix its permissions or set "
+                    "geotrain:training.checkpoint.dir"
+                ) from None
+
+    # -- save ---------------------------------------------------------------------------
+    def save(self, step: int, state: dict[str, Any]) -> float:
+        """Start an async save of `state` at `step`; returns seconds the caller waited."""
+        t0 = time.perf_counter()
+        self.wait()
+        d = self.root / f"{PREFIX}{step}"
+        if self.rank == 0:
+            if (d / MARKER).exists():
+                raise CheckpointError(f"{d} is already committed; refusing to overwrite it")
+            shutil.rmtree(d, ignore_errors=True)  # a torn attempt at this step
+            d.mkdir(parents=True)
+        dist.barrier(group=self.group)
+        try:
+            fut: Any = dcp.async_save(state, checkpoint_id=str(d), process_group=self.group)
+        except OSError as e:
+            raise CheckpointError(f"cannot write checkpoint {d}: {e.strerror}") from None
+        self.pending = _chain(fut, lambda: self._commit(d, step)) if self.rank == 0 else fut
+        return time.perf_counter() - t0
+
+    def wait(self) -> None:
+        """Block until the in-flight save (and its commit on rank 0) is done."""
+        if self.pending is not None:
+            fut, self.pending = self.pending, None
+            try:
+                fut.result()
+            except OSError as e:
+                raise CheckpointError(
+                    f"checkpoint write failed: {e.strerror} (disk full or "
+                    "read-only?); the previous checkpoint is intact"
+                ) from None
+
+    def _commit(self, d: Path, step: int) -> None:
+        files = _digest_files(d)
+        body = {"run_id": self.run_id, "step": step, "files": files}
+        canon = json.dumps(body, sort_keys=True).encode()
+        body["hmac"] = hmac.new(self._mac_key, canon, hashlib.sha256).hexdigest()
+        _write_atomic(d / MANIFEST, json.dumps(body, indent=1, sort_keys=True))
+        _write_atomic(d / MARKER, hashlib.sha256(canon).hexdigest() + "\n")
+        self._prune()
+
+    def _prune(self) -> None:
+        committed = sorted((p for p in self._dirs() if (p / MARKER).exists()), key=step_of)
+        for old in committed[: max(0, len(committed) - self.keep)]:
+            shutil.rmtree(old, ignore_errors=True)
+
+    # -- load ---------------------------------------------------------------------------
+    def _dirs(self) -> list[Path]:
+        if not self.root.is_dir():
+            return []
+        return [
+            p
+            for p in self.root.iterdir()
+            if p.is_dir() and p.name.startswith(PREFIX) and p.name[len(PREFIX) :].isdigit()
+        ]
+
+    def verify(self, d: Path) -> None:
+        """Raise CheckpointError unless `d` is committed, authentic, of this run, complete."""
+        if not (d / MARKER).exists():
+            raise CheckpointError(f"{d} has no commit marker (torn save)")
+        try:
+            body = json.loads((d / MANIFEST).read_text(encoding="utf-8"))
+            mac = body.pop("hmac")
+        except (OSError, ValueError, KeyError):
+            raise CheckpointError(f"{d}: manifest missing or unreadable") from None
+        canon = json.dumps(body, sort_keys=True).encode()
+        good = hmac.new(self._mac_key, canon, hashlib.sha256).hexdigest()
+        if not hmac.compare_digest(good, mac):
+            raise CheckpointError(
+                f"{d}: manifest does not verify under this run's key (another run, or tampered)"
+            )
+        if body.get("run_id") != self.run_id:
+            raise CheckpointError(
+                f"{d} belongs to run {body.get('run_id')}, not "
+                f"{self.run_id}; move it away or use that run's stack"
+            )
+        actual = _digest_files(d)
+        for name, digest in body["files"].items():
+            if name not in actual:
+                raise CheckpointError(f"{d}: file {name} is missing")
+            if actual[name] != digest:
+                raise CheckpointError(f"{d}: file {name} is corrupt (digest mismatch)")
+        extra = set(actual) - set(body["files"])
+        if extra:
+            raise CheckpointError(f"{d}: unexpected files {sorted(extra)}")
+
+    def latest(self) -> Path | None:
+        """Newest committed, verified checkpoint; torn or corrupt newer ones are reported
+        in `log` and skipped."""
+        for d in sorted(self._dirs(), key=step_of, reverse=True):
+            try:
+                self.verify(d)
+                return d
+            except CheckpointError as e:
+                self.log.append(f"skipped {e}")
+        return None
+
+    def load(self, d: Path, state: dict[str, Any]) -> None:
+        """Load verified `d` into `state` in place (tensors are filled, not replaced)."""
+        self.verify(d)
+        dcp.load(state, checkpoint_id=str(d), process_group=self.group)
+
+
+def _chain(fut: Any, then: Any) -> concurrent.futures.Future[Any]:
+    out: concurrent.futures.Future[Any] = concurrent.futures.Future()
+
+    def done(f: Any) -> None:
+        try:
+            f.result()
+            then()
+            out.set_result(None)
+        except BaseException as e:  # surfaced by wait() in the training loop
+            out.set_exception(e)
+
+    fut.add_done_callback(done)
+    return out

@@ -1,0 +1,159 @@
+"""Reading the workers' event stream: the live progress line and the final report."""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+
+def flat_ring_cross_bytes(params: int, world: int, regions: int) -> float:
+    """Cross-region bytes per step of one flat fp32 ring all-reduce (what DDP does by
+    default) with ranks ordered by region: the ring crosses a border `regions` times and
+    each ring edge carries 2 (W - 1) / W x 4N bytes."""
+    if regions < 2:
+        return 0.0
+    return regions * 2 * (world - 1) / world * 4 * params
+
+
+@dataclass
+class EventLog:
+    path: Path
+    offset: int = 0
+    events: list[dict[str, Any]] = field(default_factory=list)
+
+    def poll(self) -> list[dict[str, Any]]:
+        if not self.path.exists():
+            return []
+        with open(self.path, encoding="utf-8") as f:
+            f.seek(self.offset)
+            chunk = f.read()
+        # a line still being written has no newline yet: leave it for the next poll
+        done = chunk[: chunk.rfind("\n") + 1]
+        self.offset += len(done.encode())
+        new = [json.loads(line) for line in done.splitlines() if line.strip()]
+        self.events += new
+        return new
+
+    def of(self, kind: str) -> list[dict[str, Any]]:
+        return [e for e in self.events if e["event"] == kind]
+
+
+@dataclass
+class Progress:
+    log: EventLog
+    total: int
+    out: TextIO = sys.stdout
+    last_step: int = -1
+
+    def update(self) -> None:
+        self.log.poll()
+        steps = self.log.of("step")
+        if not steps:
+            return
+        step = max(e["step"] for e in steps)
+        if step == self.last_step:
+            return
+        self.last_step = step
+        latest = [e for e in steps if e["step"] == step]
+        loss = sum(e["loss"] for e in latest) / len(latest)
+        tps = sum(e["tokens_per_s"] for e in latest)
+        wire = _cross_wire(steps) / 1e6
+        width = 30
+        filled = int(width * step / self.total)
+        line = (
+            f"[{'#' * filled}{'.' * (width - filled)}] step {step}/{self.total}  "
+            f"loss {loss:.3f}  {tps:,.0f} tok/s  cross-region {wire:.2f} MB"
+        )
+        if self.out.isatty():
+            self.out.write("\r" + line)
+        elif step == self.total or step % 10 == 0:
+            self.out.write(line + "\n")
+        self.out.flush()
+
+
+def _cross_wire(steps: list[dict[str, Any]]) -> float:
+    """Region counters are cumulative: the newest per region, summed."""
+    return sum(e["cross_wire"] for e in _newest(steps))
+
+
+def summarize(log: EventLog, spec_steps: int) -> dict[str, Any]:
+    log.poll()
+    steps = log.of("step")
+    start = log.of("start")
+    if not steps or not start:
+        return {}
+    params, world, regions = start[0]["params"], start[0]["world"], start[0]["regions"]
+    by_step: dict[int, list[float]] = {}
+    for e in steps:
+        by_step.setdefault(e["step"], []).append(e["loss"])
+    curve = {s: sum(v) / len(v) for s, v in sorted(by_step.items())}
+    marks = sorted({1, *(max(1, spec_steps * q // 4) for q in (1, 2, 3)), max(curve)})
+    wire = _cross_wire(steps)
+    raw = sum(e["cross_raw"] for e in _newest(steps))
+    flat = flat_ring_cross_bytes(params, world, regions) * spec_steps
+    sync = sum(e["sync_s"] for e in steps) / max(1, regions)
+    step_time = sum(e["step_s"] for e in steps) / max(1, regions)
+    return {
+        "params": params,
+        "world": world,
+        "regions": regions,
+        "steps": max(curve),
+        "loss_curve": {s: round(curve[s], 4) for s in marks if s in curve},
+        "final_loss_per_region": {
+            e["region"]: round(e["loss"], 4) for e in steps if e["step"] == max(curve)
+        },
+        "cross_region_wire_bytes": wire,
+        "cross_region_raw_bytes": raw,
+        "flat_fp32_allreduce_cross_bytes": flat,
+        "bytes_vs_flat_fp32": wire / flat if flat else None,
+        "compression_ratio": raw / wire if wire else None,
+        "sync_seconds": sync,
+        "step_seconds": step_time,
+        "sync_share": sync / step_time if step_time else None,
+        "restarts": len(log.of("resume")) // max(1, world),
+        "resumed_from": sorted({e["step"] for e in log.of("resume")}),
+        "checkpoints": [e["step"] for e in log.of("checkpoint")],
+        "merges": sum(1 for e in steps if e.get("merged")) // max(1, regions),
+    }
+
+
+def _newest(steps: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    newest: dict[str, dict[str, Any]] = {}
+    for e in steps:
+        if e["region"] not in newest or e["t"] >= newest[e["region"]]["t"]:
+            newest[e["region"]] = e
+    return list(newest.values())
+
+
+def format_report(r: dict[str, Any]) -> str:
+    if not r:
+        return "no training steps were recorded"
+    curve = "  ".join(f"{s}:{v:.3f}" for s, v in r["loss_curve"].items())
+    lines = [
+        f"trained {r['params']:,} parameters on {r['world']} workers in {r['regions']} "
+        f"regions for {r['steps']} steps",
+        f"loss curve (step:loss)  {curve}",
+        "final loss per region   "
+        + "  ".join(f"{k} {v:.3f}" for k, v in r["final_loss_per_region"].items()),
+        f"cross-region bytes      {r['cross_region_wire_bytes'] / 1e6:.2f} MB sent "
+        f"(fp32 flat all-reduce would send {r['flat_fp32_allreduce_cross_bytes'] / 1e6:.2f} MB"
+        f": {r['bytes_vs_flat_fp32']:.3f}x)"
+        if r["bytes_vs_flat_fp32"]
+        else "cross-region bytes      0",
+        f"compression ratio       {r['compression_ratio']:.2f}x (fp32 bytes / wire bytes)"
+        if r["compression_ratio"]
+        else "compression ratio       -",
+        f"time in sync            {r['sync_seconds']:.1f} s of {r['step_seconds']:.1f} s "
+        f"({100 * (r['sync_share'] or 0):.0f}%)",
+    ]
+    if r["resumed_from"]:
+        lines.append(
+            f"restarts                {r['restarts']} (resumed from step "
+            f"{', '.join(map(str, r['resumed_from']))})"
+        )
+    if r["merges"]:
+        lines.append(f"global merges           {r['merges']}")
+    return "\n".join(lines)

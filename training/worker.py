@@ -1,0 +1,482 @@
+"""One training rank: `python -m training.worker --spec FILE --node NAME --local-rank I`.
+
+Reads only the launch spec. Every check that can fail on bad input (key file, data shard,
+world size) runs before the process group starts, so a bad spec fails fast and clearly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from training.checkpoint import Checkpointer, step_of
+from training.codec import Codec
+from training.data import ByteLoader, load_region_text
+from training.errors import GeotrainError, SpecError
+from training.hier import HierarchicalAllReduce
+from training.keys import load_key
+from training.metrics import RuntimeMetrics
+from training.model import DeepSeekLM, build_model
+from training.spec import LaunchSpec, metrics_port
+from training.topology import Groups, Topology, make_groups
+
+CONTROL_EVERY = 10
+"""Time-based merges/saves are agreed on every this many steps (a 2-float all-reduce)."""
+
+
+@dataclass
+class Job:
+    spec: LaunchSpec
+    topo: Topology
+    groups: Groups
+    model: DeepSeekLM
+    opt: torch.optim.Optimizer
+    loader: ByteLoader
+    sync: HierarchicalAllReduce
+    ckpt: Checkpointer
+    metrics: RuntimeMetrics
+    events: Path | None
+    node: str
+    outer: torch.optim.Optimizer | None = None
+    global_params: list[torch.Tensor] = field(default_factory=list)
+    step: int = 0
+    tokens: int = 0
+    merges: int = 0
+    started: float = field(default_factory=time.monotonic)
+    last_merge: float = field(default_factory=time.monotonic)
+    last_save: float = field(default_factory=time.monotonic)
+    reported: dict[str, int] = field(default_factory=dict)
+    """Byte counters already added to the Prometheus counters."""
+
+    @property
+    def leader(self) -> bool:
+        return self.topo.local_rank == 0
+
+    def emit(self, event: str, **kw: Any) -> None:
+        if self.events is None:
+            return
+        line = (
+            json.dumps(
+                {
+                    "event": event,
+                    "region": self.topo.region,
+                    "rank": self.topo.rank,
+                    "t": time.time(),
+                    **kw,
+                }
+            )
+            + "\n"
+        )
+        with open(self.events, "a", encoding="utf-8") as f:  # one write(): atomic append
+            f.write(line)
+
+
+def preflight(spec: LaunchSpec, node_name: str, local_rank: int) -> tuple[int, bytes, bytes]:
+    """Checks before any collective: returns (rank, key, region text)."""
+    region, node = spec.node(node_name)
+    if not 0 <= local_rank < node.nprocs:
+        raise SpecError(
+            f"local rank {local_rank} is outside node {node_name}'s {node.nprocs} workers"
+        )
+    world = int(os.environ.get("WORLD_SIZE", spec.world_size))
+    if world != spec.world_size:
+        raise SpecError(
+            f"WORLD_SIZE={world} but the spec of run {spec.run_id} has "
+            f"{spec.world_size} workers; re-render the spec or fix the launcher"
+        )
+    key = load_key(spec.key_file)
+    idx = [r.name for r in spec.regions].index(region.name)
+    text = load_region_text(region, idx, len(spec.regions))
+    return node.first_rank + local_rank, key, text
+
+
+def setup(spec: LaunchSpec, node_name: str, local_rank: int, events: Path | None) -> Job:
+    rank, key, text = preflight(spec, node_name, local_rank)
+    region, node = spec.node(node_name)
+    device = torch.device("cuda", local_rank) if node.device == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    store = dist.TCPStore(
+        spec.master_addr,
+        spec.master_port,
+        spec.world_size,
+        rank == 0,
+        timeout=timedelta(seconds=120),
+    )
+    backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(
+        backend, store=store, rank=rank, world_size=spec.world_size, timeout=timedelta(seconds=120)
+    )
+    topo = Topology.of(spec, rank)
+    groups = make_groups(topo, device)
+    ckpt_group = dist.new_group(backend="gloo")  # async saves never block training groups
+    torch.manual_seed(spec.seed)  # identical initial weights on every rank
+    model = build_model(spec.model).to(device)
+    codec = Codec(spec.codec, key)
+    epoch = int(os.environ.get("GEOTRAIN_RESTART", "0"))
+    sync = HierarchicalAllReduce(
+        topo, groups, codec, spec.run_id, epoch=epoch, error_feedback=spec.codec.error_feedback
+    )
+    job = Job(
+        spec=spec,
+        topo=topo,
+        groups=groups,
+        model=model,
+        opt=torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=0.01),
+        loader=ByteLoader.of(text, spec.batch_size, spec.seq_len, spec.seed * 1000 + rank),
+        sync=sync,
+        ckpt=Checkpointer(
+            Path(spec.checkpoint.dir), spec.run_id, key, spec.checkpoint.keep, rank, ckpt_group
+        ),
+        metrics=RuntimeMetrics(region.name, node.name, rank),
+        events=events,
+        node=node.name,
+    )
+    if spec.sync == "diloco":
+        job.global_params = [p.detach().clone() for p in model.parameters()]
+        job.outer = torch.optim.SGD(
+            job.global_params,
+            lr=spec.diloco.outer_lr,
+            momentum=spec.diloco.outer_momentum,
+            nesterov=True,
+        )
+    prime(job)
+    host = node.host if spec.metrics_bind == "private" else spec.metrics_bind
+    shared = len({n.host for r in spec.regions for n in r.nodes}) == 1
+    job.metrics.serve(host, metrics_port(spec.metrics_port, node.first_rank, local_rank, shared))
+    return job
+
+
+# -- state ----------------------------------------------------------------------------
+def prime_optimizer(opt: torch.optim.Optimizer) -> None:
+    """Create the state torch would create lazily on the first step, with the same
+    values (zeros), so a checkpoint template has every tensor DCP must fill in."""
+    for group in opt.param_groups:
+        for p in group["params"]:
+            if opt.state[p]:
+                continue
+            if isinstance(opt, torch.optim.Adam | torch.optim.AdamW):
+                opt.state[p] = {
+                    "step": torch.tensor(0.0),
+                    "exp_avg": torch.zeros_like(p),
+                    "exp_avg_sq": torch.zeros_like(p),
+                }
+            elif isinstance(opt, torch.optim.SGD) and group["momentum"]:
+                # with dampening 0, buf = momentum * 0 + grad equals torch's first clone
+                opt.state[p] = {"momentum_buffer": torch.zeros_like(p)}
+
+
+def prime(job: Job) -> None:
+    """Every stateful part at its final shape before a resume or the first save: DCP
+    loads into the template it is given, and silently skips what the template lacks."""
+    prime_optimizer(job.opt)
+    if job.outer is not None:
+        prime_optimizer(job.outer)
+    if job.sync.error_feedback:
+        L = job.topo.local_size
+        for b, params in enumerate(_buckets(list(job.model.parameters()), job.spec.bucket_mb)):
+            n = sum(p.numel() for p in params)
+            job.sync.residuals.setdefault(b, torch.zeros(-(-n // L)))
+
+
+def state_dict(job: Job) -> dict[str, Any]:
+    """Keys say who shares a value: shared by all ranks, by a region, or by one rank
+    (DCP stores a key once, so values that differ must have distinct keys)."""
+    t = job.topo
+    per_rank = {
+        "loader": job.loader.state_dict(),
+        "rng": torch.get_rng_state(),
+        "residuals": dict(job.sync.residuals),
+        "counters": {"step": job.step, "tokens": job.tokens, "merges": job.merges},
+    }
+    if job.outer is None:
+        return {
+            "model": job.model.state_dict(),
+            "optim": job.opt.state_dict(),
+            f"rank{t.rank}": per_rank,
+        }
+    return {
+        f"region{t.region_index}": {"model": job.model.state_dict(), "optim": job.opt.state_dict()},
+        "global": {
+            "params": {str(i): p for i, p in enumerate(job.global_params)},
+            "outer": job.outer.state_dict(),
+        },
+        f"rank{t.rank}": per_rank,
+    }
+
+
+def resume(job: Job) -> int | None:
+    d = job.ckpt.latest()
+    for note in job.ckpt.log:
+        job.emit("checkpoint_skipped", note=note)
+    if d is None:
+        return None
+    state = state_dict(job)
+    job.ckpt.load(d, state)
+    mine = state[f"rank{job.topo.rank}"]
+    if job.outer is None:
+        job.model.load_state_dict(state["model"])
+        job.opt.load_state_dict(state["optim"])
+    else:
+        reg = state[f"region{job.topo.region_index}"]
+        job.model.load_state_dict(reg["model"])
+        job.opt.load_state_dict(reg["optim"])
+        job.outer.load_state_dict(state["global"]["outer"])
+    job.loader.load_state_dict(mine["loader"])
+    torch.set_rng_state(mine["rng"])
+    job.sync.residuals = {int(k): v for k, v in mine["residuals"].items()}
+    if job.outer is not None:
+        with torch.no_grad():  # DCP filled the global params in place; sync the copy list
+            for g, v in zip(job.global_params, state["global"]["params"].values(), strict=True):
+                g.copy_(v)
+    c = mine["counters"]
+    job.step, job.tokens, job.merges = int(c["step"]), int(c["tokens"]), int(c["merges"])
+    job.metrics.restarts.inc()
+    return step_of(d)
+
+
+# -- steps ----------------------------------------------------------------------------
+def _flat_grads(params: list[torch.nn.Parameter]) -> torch.Tensor:
+    return torch.cat(
+        [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params]
+    )
+
+
+def _scatter(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
+    i = 0
+    for t in tensors:
+        n = t.numel()
+        t.copy_(flat[i : i + n].view_as(t))
+        i += n
+
+
+def _grads(params: list[Any]) -> list[torch.Tensor]:
+    """Gradients of `params`, created as zeros where autograd left none (unused experts)."""
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    return [p.grad for p in params]
+
+
+def _buckets(params: list[torch.nn.Parameter], bucket_mb: float) -> list[list[torch.nn.Parameter]]:
+    limit = int(bucket_mb * 2**20 / 4)
+    out: list[list[torch.nn.Parameter]] = [[]]
+    size = 0
+    for p in params:
+        if out[-1] and size + p.numel() > limit:
+            out.append([])
+            size = 0
+        out[-1].append(p)
+        size += p.numel()
+    return out
+
+
+def sync_grads(job: Job) -> None:
+    """allreduce mode: every bucket through the hierarchical compressed sync."""
+    for b, params in enumerate(_buckets(list(job.model.parameters()), job.spec.bucket_mb)):
+        synced = job.sync.all_reduce(_flat_grads(params), step=job.step, bucket=b)
+        _scatter(synced, _grads(params))
+
+
+def region_average_grads(job: Job) -> None:
+    """diloco inner step: gradients averaged inside the region only."""
+    params = list(job.model.parameters())
+    flat = _flat_grads(params)
+    dist.all_reduce(flat, group=job.groups.intra)
+    flat.div_(job.topo.local_size)
+    _scatter(flat, _grads(params))
+
+
+def merge(job: Job) -> None:
+    """The periodic global merge: outer Nesterov step on the averaged pseudo-gradient
+    (global - local), sent through the same quantize/zstd/SM4 codec."""
+    assert job.outer is not None  # only called in diloco mode
+    local = [p.detach() for p in job.model.parameters()]
+    buckets = _buckets(list(job.model.parameters()), job.spec.bucket_mb)
+    i = 0
+    for b, params in enumerate(buckets):
+        gl = job.global_params[i : i + len(params)]
+        delta = torch.cat([(g - p.detach()).reshape(-1) for g, p in zip(gl, params, strict=True)])
+        avg = job.sync.all_reduce(delta, step=job.step, bucket=b)
+        _scatter(avg, _grads(gl))
+        i += len(params)
+    job.outer.step()
+    with torch.no_grad():
+        for p, g in zip(local, job.global_params, strict=True):
+            p.copy_(g)
+    job.merges += 1
+    job.metrics.merges.inc()
+    job.last_merge = time.monotonic()
+
+
+def params_digest(model: torch.nn.Module) -> str:
+    h = hashlib.sha256()
+    for p in model.parameters():
+        h.update(p.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def _due(job: Job) -> tuple[bool, bool]:
+    """(merge due, checkpoint due) after the current step; every rank gets the same answer."""
+    s, spec = job.step + 1, job.spec
+    last = s == spec.steps
+    merge_due = spec.sync == "diloco" and (
+        last or (spec.diloco.every_steps is not None and s % spec.diloco.every_steps == 0)
+    )
+    ckpt_due = s % spec.checkpoint.interval_steps == 0 and not last
+    if s % CONTROL_EVERY == 0:  # time-based triggers: agree across ranks (MAX)
+        now = time.monotonic()
+        flags = torch.tensor(
+            [
+                float(
+                    spec.sync == "diloco"
+                    and spec.diloco.interval_minutes is not None
+                    and now - job.last_merge >= 60 * spec.diloco.interval_minutes
+                ),
+                float(now - job.last_save >= 60 * spec.checkpoint.interval_minutes),
+            ]
+        )
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        merge_due, ckpt_due = merge_due or bool(flags[0]), ckpt_due or bool(flags[1])
+    return merge_due, ckpt_due
+
+
+def train_step(job: Job) -> None:
+    t0 = time.perf_counter()
+    sync_before = job.sync.stats.sync_seconds
+    tokens = job.loader.next().to(job.groups.device)
+    loss = job.model.loss(tokens)
+    job.opt.zero_grad(set_to_none=True)
+    loss.backward()
+    if job.outer is None:
+        sync_grads(job)
+    else:
+        region_average_grads(job)
+    job.opt.step()
+    merge_due, ckpt_due = _due(job)
+    if merge_due:
+        merge(job)
+    job.step += 1
+    job.tokens += tokens.numel() - tokens.shape[0]
+    if ckpt_due:
+        stall = job.ckpt.save(job.step, state_dict(job))
+        job.last_save = time.monotonic()
+        job.metrics.checkpointed(stall)
+        if job.topo.rank == 0:
+            job.emit("checkpoint", step=job.step, stall_s=stall)
+    report(
+        job,
+        loss.item(),
+        time.perf_counter() - t0,
+        job.sync.stats.sync_seconds - sync_before,
+        merge_due,
+    )
+
+
+def report(job: Job, loss: float, step_s: float, sync_s: float, merged: bool) -> None:
+    st, m = job.sync.stats, job.metrics
+    stats = torch.tensor(
+        [loss, st.cross_wire_bytes, st.cross_raw_bytes, sync_s], dtype=torch.float64
+    )
+    dist.all_reduce(stats, group=job.groups.intra)  # region totals (never crosses borders)
+    L = job.topo.local_size
+    tps = (job.spec.batch_size * job.spec.seq_len) / step_s
+    m.step.set(job.step)
+    m.loss.set(loss)
+    m.step_s.set(step_s)
+    m.sync_s.set(sync_s)
+    m.tokens_per_s.set(tps)
+    now = {"wire": st.cross_wire_bytes, "raw": st.cross_raw_bytes, "intra": st.intra_bytes}
+    m.cross_wire.inc(now["wire"] - job.reported.get("wire", 0))
+    m.cross_raw.inc(now["raw"] - job.reported.get("raw", 0))
+    m.intra.inc(now["intra"] - job.reported.get("intra", 0))
+    job.reported = now
+    if job.outer is None or merged:
+        m.syncs.inc()
+    if st.cross_wire_bytes:
+        m.ratio.set(st.cross_raw_bytes / st.cross_wire_bytes)
+    m.tick()
+    if job.leader:
+        extra = {"digest": params_digest(job.model)} if merged else {}
+        job.emit(
+            "step",
+            step=job.step,
+            loss=stats[0].item() / L,
+            tokens_per_s=tps * L,
+            cross_wire=stats[1].item(),
+            cross_raw=stats[2].item(),
+            sync_s=stats[3].item() / L,
+            step_s=step_s,
+            merged=merged,
+            **extra,
+        )
+
+
+def run(
+    spec: LaunchSpec, node: str, local_rank: int, events: Path | None, run_dir: Path | None
+) -> None:
+    job = setup(spec, node, local_rank, events)
+    n_params = sum(p.numel() for p in job.model.parameters())
+    job.emit(
+        "start",
+        pid=os.getpid(),
+        node=node,
+        params=n_params,
+        world=spec.world_size,
+        regions=len(spec.regions),
+    )
+    resumed = resume(job)
+    if resumed is not None:
+        job.emit("resume", step=resumed)
+    while job.step < spec.steps:
+        train_step(job)
+    job.ckpt.wait()
+    if job.topo.rank == 0 and run_dir is not None:
+        torch.save(job.model.state_dict(), run_dir / "final.pt")
+    if job.leader:
+        job.emit(
+            "done",
+            step=job.step,
+            digest=params_digest(job.model),
+            encode_s=job.sync.codec.stats.encode_seconds,
+            decode_s=job.sync.codec.stats.decode_seconds,
+        )
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m training.worker")
+    ap.add_argument("--spec", required=True)
+    ap.add_argument("--node", required=True)
+    ap.add_argument("--local-rank", type=int, required=True)
+    a = ap.parse_args(argv)
+    torch.set_num_threads(int(os.environ.get("GEOTRAIN_THREADS", "1")))
+    events = os.environ.get("GEOTRAIN_EVENTS")
+    run_dir = os.environ.get("GEOTRAIN_RUN_DIR")
+    try:
+        run(
+            LaunchSpec.load(a.spec),
+            a.node,
+            a.local_rank,
+            Path(events) if events else None,
+            Path(run_dir) if run_dir else None,
+        )
+    except GeotrainError as e:
+        print(f"geotrain worker {a.node}/{a.local_rank}: error: {e}", file=sys.stderr)
+        sys.exit(e.exit_code)
+
+
+if __name__ == "__main__":
+    main()
