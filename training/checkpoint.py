@@ -25,10 +25,14 @@ from typing import Any
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from training.codec import derive_key
 from training.errors import CheckpointError
 
+# DCP reports write failures as OSError, torch.save's RuntimeError, or its own
+# CheckpointException (a BaseException subclass)
+WRITE_ERRORS = (OSError, RuntimeError, CheckpointException)
 MARKER = "COMMITTED"
 MANIFEST = "manifest.json"
 PREFIX = "step-"
@@ -65,6 +69,7 @@ class Checkpointer:
     group: Any = None
     """Process group for DCP's collectives (a dedicated gloo group)."""
     pending: concurrent.futures.Future[Any] | None = None
+    pending_dir: Path | None = None
     log: list[str] = field(default_factory=list)
     """Human-readable notes (torn checkpoints skipped, ...), for the launcher's report."""
 
@@ -97,8 +102,9 @@ class Checkpointer:
         dist.barrier(group=self.group)
         try:
             fut: Any = dcp.async_save(state, checkpoint_id=str(d), process_group=self.group)
-        except OSError as e:
-            raise CheckpointError(f"cannot write checkpoint {d}: {e.strerror}") from None
+        except WRITE_ERRORS as e:
+            raise self._write_error(d, e) from None
+        self.pending_dir = d
         self.pending = _chain(fut, lambda: self._commit(d, step)) if self.rank == 0 else fut
         return time.perf_counter() - t0
 
@@ -108,11 +114,20 @@ class Checkpointer:
             fut, self.pending = self.pending, None
             try:
                 fut.result()
-            except OSError as e:
-                raise CheckpointError(
-                    f"checkpoint write failed: {e.strerror} (disk full or "
-                    "read-only?); the previous checkpoint is intact"
-                ) from None
+            except WRITE_ERRORS as e:
+                raise self._write_error(self.pending_dir or self.root, e) from None
+
+    def _write_error(self, where: Path, e: BaseException) -> CheckpointError:
+        if self.rank == 0 and where.name.startswith(PREFIX) and not (where / MARKER).exists():
+            shutil.rmtree(where, ignore_errors=True)  # the torn attempt only wastes space
+        free = shutil.disk_usage(self.root).free if self.root.exists() else 0
+        first = (str(e).strip().splitlines() or [type(e).__name__])[-1][:200]
+        full = " (disk full)" if free < 1 << 20 else ""
+        return CheckpointError(
+            f"checkpoint write under {where} failed{full}: {first}; "
+            f"{free / 2**20:.1f} MiB free; the previous committed "
+            "checkpoint is intact"
+        )
 
     def _commit(self, d: Path, step: int) -> None:
         files = _digest_files(d)
