@@ -34,8 +34,8 @@ QUANT = {"none": 0, "fp16": 1, "bf16": 2, "int8": 3, "int4": 4}
 CIPHERS = {"none": 0, "sm4-gcm": 1, "aes-gcm": 2}
 MAGIC = b"GT"
 VERSION = 1
-# magic, version, quant, cipher, flags, epoch, step, bucket, source, numel, block, nonce
-HEADER = struct.Struct(">2sBBBBIQIHQI12s")
+# magic, version, quant, cipher, flags, epoch, step, bucket, source, part, numel, block, nonce
+HEADER = struct.Struct(">2sBBBBIQIHHQI12s")
 TAG_BYTES = 16
 
 
@@ -49,13 +49,12 @@ class Address:
     source: int
     """Index of the source region."""
     bucket: int
+    part: int = 0
+    """Piece of the bucket (reduce-scatter stage), or R for the gather stage."""
 
     def aad(self) -> bytes:
-        return (
-            b"geotrain/v1|"
-            + self.run_id.encode()
-            + struct.pack(">IQHI", self.epoch, self.step, self.source, self.bucket)
-        )
+        fields = struct.pack(">IQHIH", self.epoch, self.step, self.source, self.bucket, self.part)
+        return b"geotrain/v1|" + self.run_id.encode() + b"|" + fields
 
 
 @dataclass
@@ -115,6 +114,7 @@ class Codec:
             addr.step,
             addr.bucket,
             addr.source,
+            addr.part,
             x.numel(),
             self.spec.block_size,
             nonce,
@@ -153,20 +153,21 @@ class Codec:
             step,
             bucket,
             source,
+            part,
             numel,
             block,
             nonce,
         ) = HEADER.unpack_from(payload)
         if magic != MAGIC or version != VERSION:
             raise PayloadRejected("payload is not a geotrain v1 payload; not applied")
-        got = Address(expect.run_id, epoch, step, source, bucket)
+        got = Address(expect.run_id, epoch, step, source, bucket, part)
         if got != expect:
             why = "replayed (old step)" if step < expect.step else "misaddressed"
             raise PayloadRejected(
-                f"payload {why}: header says epoch {epoch} step {step} "
-                f"region {source} bucket {bucket}, expected epoch "
-                f"{expect.epoch} step {expect.step} region {expect.source} "
-                f"bucket {expect.bucket}; not applied"
+                f"payload {why}: header says epoch {epoch} step {step} region {source} "
+                f"bucket {bucket} part {part}, expected epoch {expect.epoch} step "
+                f"{expect.step} region {expect.source} bucket {expect.bucket} part "
+                f"{expect.part}; not applied"
             )
         if cipher != CIPHERS[self.spec.cipher] or quant != QUANT[self.spec.quantize]:
             raise PayloadRejected(

@@ -2,12 +2,11 @@
 
 One sync of a flat fp32 tensor (N,), L workers per region, R regions:
   1. reduce-scatter inside the region: rank l holds the region's sum of shard l (N/L,)
-  2. add the error-feedback residual, encode (quantize, shuffle, zstd, SM4-GCM)
-  3. exchange across regions: all-gather of payload sizes, then of padded payloads,
-     in the cross group of local rank l (one peer per region)
-  4. verify and decode every region's payload (its own too, so every region sums the
-     same values), sum in region order, divide by the world size
-  5. all-gather inside the region: every rank gets the full averaged tensor
+  2. across regions, in the cross group of local rank l (one peer per region): a
+     reduce-scatter then an all-gather of that shard, each payload error-fed, encoded
+     (quantize, shuffle, zstd, SM4-GCM), verified and decoded; see `_exchange`
+  3. divide by the world size
+  4. all-gather inside the region: every rank gets the full averaged tensor
 With codec `none` the values are exactly those of a flat all-reduce (up to float
 summation order, which is the only difference).
 """
@@ -48,7 +47,7 @@ class HierarchicalAllReduce:
     error_feedback: bool = True
     stats: SyncStats = field(default_factory=SyncStats)
     residuals: dict[int, torch.Tensor] = field(default_factory=dict)
-    """bucket -> quantization residual of this rank's shard, carried to the next step."""
+    """bucket -> quantization residuals (R + 1, P), carried to the next step."""
 
     def all_reduce(self, x: torch.Tensor, step: int, bucket: int = 0) -> torch.Tensor:
         """Average flat `x` (N,) over all ranks; returns a new fp32 tensor on x's device."""
@@ -71,22 +70,87 @@ class HierarchicalAllReduce:
         return full[:n].view_as(x).to(x.device)
 
     def _exchange(self, shard: torch.Tensor, step: int, bucket: int) -> torch.Tensor:
+        """Cross-region sum of `shard` (S,), identical on every region.
+
+        Reduce-scatter then all-gather across the R regions: the shard is cut into R pieces
+        (P,); piece j goes (encoded) to region j, which sums the R decoded copies and sends
+        the encoded sum to every region. Each rank sends 2 (R - 1) / R of its shard rather
+        than (R - 1) shards. Every value a region uses comes out of the decoder (its own
+        contributions too), so all regions apply bitwise the same result.
+        """
         topo = self.topo
-        if self.error_feedback and bucket in self.residuals:
-            shard = shard + self.residuals[bucket]
-        me = Address(self.run_id, self.epoch, step, topo.region_index, bucket)
-        payload, mine = self.codec.encode(shard, me)
-        if self.error_feedback:
-            self.residuals[bucket] = shard - mine
+        R, me = topo.regions, topo.region_index
+        if R == 1:
+            return shard.clone()
+        n = shard.numel()
+        pieces = torch.nn.functional.pad(shard, (0, (-n) % R)).view(R, -1)  # (R, P)
+        res = self.residual(bucket, pieces.shape[1])  # (R + 1, P)
+        sent: list[bytes] = []
+        own = torch.empty(0)
+        for j in range(R):  # stage 1: piece j to region j
+            payload, dec = self._encode(pieces[j], res, j, step, bucket)
+            sent.append(b"" if j == me else payload)
+            if j == me:
+                own = dec
+        got = self._all_to_all_bytes(sent)
+        piece = torch.zeros_like(own)
+        for i in range(R):  # fixed order: every region sums alike
+            piece += (
+                own
+                if i == me
+                else self.codec.decode(
+                    got[i], Address(self.run_id, self.epoch, step, i, bucket, me)
+                )
+            )
+        payload, mine = self._encode(piece, res, R, step, bucket)  # stage 2: the sum of piece me
         blobs = self._all_gather_bytes(payload)
-        total = torch.zeros_like(shard)
-        for region, blob in enumerate(blobs):  # fixed order: every region sums alike
-            expect = Address(self.run_id, self.epoch, step, region, bucket)
-            total += mine if region == topo.region_index else self.codec.decode(blob, expect)
-        peers = topo.regions - 1
-        self.stats.cross_raw_bytes += 4 * shard.numel() * peers
-        self.stats.cross_wire_bytes += len(payload) * peers
-        return total
+        out = [
+            mine
+            if i == me
+            else self.codec.decode(blobs[i], Address(self.run_id, self.epoch, step, i, bucket, R))
+            for i in range(R)
+        ]
+        self.stats.cross_raw_bytes += 2 * 4 * pieces.shape[1] * (R - 1)
+        self.stats.cross_wire_bytes += sum(map(len, sent)) + len(payload) * (R - 1)
+        return torch.cat(out)[:n]
+
+    def residual(self, bucket: int, piece: int) -> torch.Tensor:
+        """Error-feedback residuals of a bucket: row j < R for the piece sent to region j,
+        row R for the reduced piece this rank gathers out. (R + 1, P)"""
+        if bucket not in self.residuals:
+            self.residuals[bucket] = torch.zeros(self.topo.regions + 1, piece)
+        return self.residuals[bucket]
+
+    def _encode(
+        self, x: torch.Tensor, res: torch.Tensor, part: int, step: int, bucket: int
+    ) -> tuple[bytes, torch.Tensor]:
+        if self.error_feedback:
+            x = x + res[part]
+        addr = Address(self.run_id, self.epoch, step, self.topo.region_index, bucket, part)
+        payload, decoded = self.codec.encode(x, addr)
+        if self.error_feedback:
+            res[part] = x - decoded
+        return payload, decoded
+
+    def _all_to_all_bytes(self, payloads: list[bytes]) -> list[bytes]:
+        g, R = self.groups.cross, self.topo.regions
+        sizes = torch.tensor([len(p) for p in payloads], dtype=torch.int64)
+        got = torch.empty(R, dtype=torch.int64)
+        dist.all_to_all_single(got, sizes, group=g)
+        send = torch.frombuffer(bytearray(b"".join(payloads)) or bytearray(1), dtype=torch.uint8)
+        recv = torch.empty(max(1, int(got.sum())), dtype=torch.uint8)
+        dist.all_to_all_single(
+            recv[: int(got.sum())],
+            send[: int(sizes.sum())],
+            output_split_sizes=got.tolist(),
+            input_split_sizes=sizes.tolist(),
+            group=g,
+        )
+        out, at = [], 0
+        for k in got.tolist():
+            out.append(recv[at : at + k].numpy().tobytes())
+            at += k
+        return out
 
     def _all_gather_bytes(self, payload: bytes) -> list[bytes]:
         g = self.groups.cross

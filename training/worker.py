@@ -185,9 +185,10 @@ def prime(job: Job) -> None:
         prime_optimizer(job.outer)
     if job.sync.error_feedback:
         L = job.topo.local_size
+        R = job.topo.regions
         for b, params in enumerate(_buckets(list(job.model.parameters()), job.spec.bucket_mb)):
-            n = sum(p.numel() for p in params)
-            job.sync.residuals.setdefault(b, torch.zeros(-(-n // L)))
+            shard = -(-sum(p.numel() for p in params) // L)
+            job.sync.residual(b, -(-shard // R))
 
 
 def state_dict(job: Job) -> dict[str, Any]:
