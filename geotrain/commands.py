@@ -146,3 +146,63 @@ def launch_node(spec_file: str, node: str, run_dir: str) -> None:
             f"{len(result.attempts)} attempt(s); {_log_tail(rd / 'logs', last.failed)}"
         )
     click.echo(f"node {node}: done")
+
+
+@cli.command()
+@STACK
+@click.option("--json", "as_json", is_flag=True, help="Print violations as JSON.")
+@click.option(
+    "--policy-config",
+    type=click.Path(dir_okay=False, exists=True),
+    default=None,
+    help="Pack config JSON (as for `pulumi preview --policy-pack-config`); "
+    "default: the stack's geotrain:policy settings.",
+)
+@click.option(
+    "--emit-config",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Write the pack config for this stack to FILE and exit.",
+)
+@friendly
+def check(stack: str, as_json: bool, policy_config: str | None, emit_config: str | None) -> None:
+    """Run the policy pack over what `pulumi up` would create (mocks, no engine)."""
+    import sys
+
+    from infra.mocks import run_under_mocks
+    from infra.model import load_stack
+    from policies.rules import config_from_policy_settings
+    from policies.runner import policy_resource, run_policies
+
+    model = load_stack(stack)
+    config = (
+        json.loads(Path(policy_config).read_text())
+        if policy_config
+        else config_from_policy_settings(model.policy.model_dump())
+    )
+    if emit_config:
+        Path(emit_config).write_text(json.dumps(config, indent=2) + "\n")
+        click.echo(f"wrote {emit_config}")
+        return
+    rec = run_under_mocks(model)
+    by_urn: dict[str, object] = {}
+    resources = []
+    for r in rec.resources:
+        parent = by_urn.get(r.parent or "")
+        pr = policy_resource(r.type, r.name, r.urn, r.inputs, parent)  # type: ignore[arg-type]
+        by_urn[r.urn] = pr
+        resources.append(pr)
+    violations = run_policies(resources, config)
+    if as_json:
+        click.echo(json.dumps([v.__dict__ for v in violations], indent=2))
+    else:
+        for level in ("mandatory", "advisory"):
+            group = [v for v in violations if v.level == level]
+            if group:
+                click.echo(f"{level} violations ({len(group)}):")
+                for v in group:
+                    click.echo(f"  {v.message}")
+        if not violations:
+            click.echo(f"{model.stack}: {len(resources)} resources pass every policy")
+    if any(v.level == "mandatory" for v in violations):
+        sys.exit(1)

@@ -285,8 +285,15 @@ def _buckets(params: list[torch.nn.Parameter], bucket_mb: float) -> list[list[to
 
 def sync_grads(job: Job) -> None:
     """allreduce mode: every bucket through the hierarchical compressed sync."""
-    for b, params in enumerate(_buckets(list(job.model.parameters()), job.spec.bucket_mb)):
-        synced = job.sync.all_reduce(_flat_grads(params), step=job.step, bucket=b)
+    hierarchical_step(job.model, job.sync, job.step, job.spec.bucket_mb)
+
+
+def hierarchical_step(
+    model: torch.nn.Module, sync: HierarchicalAllReduce, step: int, bucket_mb: float
+) -> None:
+    """Replace every gradient by its global average through `sync`, bucket by bucket."""
+    for b, params in enumerate(_buckets(list(model.parameters()), bucket_mb)):
+        synced = sync.all_reduce(_flat_grads(params), step=step, bucket=b)
         _scatter(synced, _grads(params))
 
 

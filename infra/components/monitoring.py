@@ -13,6 +13,7 @@ import pulumi
 
 from infra.components.delivery import run, write_file
 from infra.components.targets import node_target
+from infra.facts import monitoring_facts
 from infra.plan import Plan
 from infra.render import render_alert_rules, render_dashboard, render_prometheus
 
@@ -33,7 +34,7 @@ class Monitoring(pulumi.ComponentResource):
     def __init__(
         self, name: str, args: MonitoringArgs, opts: pulumi.ResourceOptions | None = None
     ) -> None:
-        super().__init__(TOKEN, name, None, opts)
+        super().__init__(TOKEN, name, {"facts": monitoring_facts(args.plan)}, opts)
         plan = args.plan
         mon = plan.model.monitoring
         host = plan.monitoring_host

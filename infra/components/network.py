@@ -16,6 +16,7 @@ import pulumi
 
 from infra.components.delivery import run, write_file
 from infra.components.targets import node_target
+from infra.facts import overlay_facts, routing_facts
 from infra.plan import Plan, Tunnel
 from infra.render import render_frr, render_sysctl, render_wireguard
 from infra.render.network import WG_KEY_DIR, frr_daemons
@@ -36,7 +37,7 @@ class Overlay(pulumi.ComponentResource):
     def __init__(
         self, name: str, args: OverlayArgs, opts: pulumi.ResourceOptions | None = None
     ) -> None:
-        super().__init__(OVERLAY_TOKEN, name, None, opts)
+        super().__init__(OVERLAY_TOKEN, name, {"facts": overlay_facts(args.plan)}, opts)
         plan = args.plan
         child = pulumi.ResourceOptions(parent=self)
         kind = plan.regions[0].kind
@@ -127,7 +128,7 @@ class Routing(pulumi.ComponentResource):
     def __init__(
         self, name: str, args: RoutingArgs, opts: pulumi.ResourceOptions | None = None
     ) -> None:
-        super().__init__(ROUTING_TOKEN, name, None, opts)
+        super().__init__(ROUTING_TOKEN, name, {"facts": routing_facts(args.plan)}, opts)
         plan = args.plan
         sessions = sum(len(plan.tunnels_of(r.name)) for r in plan.regions)
         if plan.regions[0].kind == "ssh":

@@ -14,6 +14,7 @@ import pulumi_kubernetes as k8s
 
 from infra.components.delivery import run
 from infra.components.targets import node_target
+from infra.facts import pool_facts
 from infra.model.pulumi_config import secret
 from infra.plan import Plan, PlanRegion
 from infra.render import render_k8s, render_launch_spec
@@ -35,7 +36,7 @@ class RegionPool(pulumi.ComponentResource):
     def __init__(
         self, name: str, args: RegionPoolArgs, opts: pulumi.ResourceOptions | None = None
     ) -> None:
-        super().__init__(TOKEN, name, None, opts)
+        super().__init__(TOKEN, name, {"facts": pool_facts(args.plan, args.region)}, opts)
         r, plan = args.region, args.plan
         child = pulumi.ResourceOptions(parent=self)
         self.resources: list[pulumi.Resource] = []

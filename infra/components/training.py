@@ -12,6 +12,7 @@ import pulumi
 
 from infra.components.delivery import run, write_file
 from infra.components.targets import node_target
+from infra.facts import training_facts
 from infra.plan import Plan
 from infra.render import render_launch_spec, render_worker_unit
 from infra.render.runtime import REMOTE_SPEC_PATH
@@ -33,7 +34,7 @@ class TrainingDeployment(pulumi.ComponentResource):
     def __init__(
         self, name: str, args: TrainingDeploymentArgs, opts: pulumi.ResourceOptions | None = None
     ) -> None:
-        super().__init__(TOKEN, name, None, opts)
+        super().__init__(TOKEN, name, {"facts": training_facts(args.plan)}, opts)
         plan = args.plan
         spec = render_launch_spec(plan)
         spec_json = spec.to_json()

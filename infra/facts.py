@@ -1,0 +1,103 @@
+"""Pure: the policy-relevant facts of each component, from the plan.
+
+Each component registers `{"facts": ...}` as its props, so the policy pack sees the same
+facts under `pulumi preview --policy-pack policies` and under `geotrain check` (mocks).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from infra.plan import Plan, PlanRegion
+from infra.render.runtime import render_launch_spec
+
+
+def tags(plan: Plan, jurisdiction: str | None = None) -> dict[str, str]:
+    t = dict(plan.model.tags)
+    if jurisdiction:
+        t["jurisdiction"] = jurisdiction
+    return t
+
+
+def pool_facts(plan: Plan, r: PlanRegion) -> dict[str, Any]:
+    return {
+        "region": r.name,
+        "jurisdiction": r.jurisdiction,
+        "kind": r.kind,
+        "nodes": [
+            {"name": n.name, "gpu_type": n.gpu_type, "gpus": n.gpus, "address": n.address}
+            for n in r.nodes
+        ],
+        "tags": tags(plan, r.jurisdiction),
+    }
+
+
+def overlay_facts(plan: Plan) -> dict[str, Any]:
+    single_host = plan.regions[0].kind == "local"
+    return {
+        "links": [
+            {
+                "a": t.a,
+                "b": t.b,
+                "transport": "loopback" if single_host else "wireguard",
+                "ifnames": [t.a_ifname, t.b_ifname],
+            }
+            for t in plan.tunnels
+        ],
+        "tags": tags(plan),
+    }
+
+
+def routing_facts(plan: Plan) -> dict[str, Any]:
+    return {
+        "asns": {r.name: r.asn for r in plan.regions},
+        "subnets": {r.name: r.subnet for r in plan.regions},
+        "links": [[t.a, t.b] for t in plan.tunnels],
+        "bfd": True,
+        "tags": tags(plan),
+    }
+
+
+def monitoring_facts(plan: Plan) -> dict[str, Any]:
+    mon = plan.model.monitoring
+    host = plan.monitoring_host.private_ip
+    metrics = host if mon.bind_address == "private" else mon.bind_address
+    endpoints = [
+        {"service": "prometheus", "bind": host, "port": mon.prometheus_port},
+        {"service": "grafana", "bind": host, "port": mon.grafana_port},
+    ]
+    endpoints += [
+        {
+            "service": "metrics",
+            "bind": metrics if mon.bind_address != "private" else n.private_ip,
+            "port": mon.metrics_port,
+            "node": n.name,
+        }
+        for n in plan.nodes
+    ]
+    return {"endpoints": endpoints, "tags": tags(plan)}
+
+
+def training_facts(plan: Plan) -> dict[str, Any]:
+    spec = render_launch_spec(plan)
+    m = plan.model
+    return {
+        "sync": spec.sync,
+        "cipher": spec.codec.cipher,
+        "quantize": spec.codec.quantize,
+        "regions": {r.name: r.jurisdiction for r in plan.regions},
+        "shards": [
+            {"name": s.name, "jurisdiction": s.jurisdiction, "region": s.region}
+            for s in m.training.data_shards
+        ],
+        # what the runtime sends across borders; raw data never is
+        "cross_region_flows": ["pseudo-gradients" if spec.sync == "diloco" else "gradients"],
+        "checkpoint": {
+            "interval_minutes": spec.checkpoint.interval_minutes,
+            "keep": spec.checkpoint.keep,
+        },
+        "endpoints": [
+            {"service": "rendezvous", "bind": spec.master_addr, "port": spec.master_port}
+        ],
+        "tags": tags(plan),
+    }

@@ -1,0 +1,416 @@
+"""The geotrain guardrails, one validate function per rule, each wrapped in the policy
+SDK's own types. Rules read the `facts` every geotrain component registers (infra.facts)
+and Kubernetes objects' own fields, so they judge exactly what `pulumi up` would create.
+
+Messages: `[rule] <resource>: <what> (<value>); <fix>`. Numbers may arrive as floats
+(the engine's JSON), so comparisons convert.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import itertools
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from pulumi_policy import (
+    EnforcementLevel,
+    PolicyConfigSchema,
+    ResourceValidationArgs,
+    ResourceValidationPolicy,
+    Severity,
+    StackValidationArgs,
+    StackValidationPolicy,
+)
+
+from infra.model.gpus import GPU_TYPES
+
+Report = Callable[[str, str | None], None]
+POOL, OVERLAY, ROUTING = (
+    "geotrain:pool:RegionPool",
+    "geotrain:network:Overlay",
+    "geotrain:routing:Routing",
+)
+MONITORING, TRAINING = "geotrain:monitoring:Monitoring", "geotrain:training:TrainingDeployment"
+ALLOWED_FLOWS = {"gradients", "pseudo-gradients"}
+
+DEFAULTS: dict[str, dict[str, Any]] = {
+    "data-residency": {},
+    "encryption-in-transit": {"requiredFor": ["CN"]},
+    "no-public-exposure": {},
+    "allowed-gpu-types-and-regions": {"allowedGpuTypes": None, "allowedRegions": None},
+    "budget-cap": {"maxGpus": None, "maxUsdPerHour": None, "gpuPrices": {}},
+    "checkpoint-cadence": {"maxIntervalMinutes": 30, "minKeep": 2},
+    "required-tags": {"tags": ["owner", "cost-centre"]},
+    "network-integrity": {},
+}
+
+
+def _cfg(name: str, args: Any) -> dict[str, Any]:
+    return {
+        **DEFAULTS[name],
+        **{k: v for k, v in (args.get_config() or {}).items() if v is not None},
+    }
+
+
+def _facts(args: ResourceValidationArgs, token: str) -> dict[str, Any] | None:
+    return args.props.get("facts") if args.resource_type == token else None
+
+
+def _where(args: Any) -> str:
+    return f"{args.resource_type} '{args.name}'"
+
+
+# -- data residency -------------------------------------------------------------------
+def data_residency(args: ResourceValidationArgs, report: Report) -> None:
+    f = _facts(args, TRAINING)
+    if f:
+        for s in f["shards"]:
+            where = f["regions"].get(s["region"])
+            if where != s["jurisdiction"]:
+                ok = [r for r, j in f["regions"].items() if j == s["jurisdiction"]]
+                report(
+                    f"[data-residency] {_where(args)}: shard '{s['name']}' holds "
+                    f"{s['jurisdiction']} data but is read in {s['region']} ({where}); "
+                    f"place it in {' or '.join(ok) or 'a region of ' + s['jurisdiction']}",
+                    None,
+                )
+        for flow in set(f["cross_region_flows"]) - ALLOWED_FLOWS:
+            report(
+                f"[data-residency] {_where(args)}: '{flow}' would cross borders; only "
+                "gradients or pseudo-gradients may",
+                None,
+            )
+    labels = (args.props.get("metadata") or {}).get("labels") or {}
+    data_j, region_j = (
+        labels.get("geotrain.io/data-jurisdiction"),
+        labels.get("geotrain.io/jurisdiction"),
+    )
+    if data_j and region_j and data_j != region_j:
+        report(
+            f"[data-residency] {_where(args)}: holds {data_j} data in a {region_j} "
+            f"region; keep raw data in a {data_j} region",
+            None,
+        )
+
+
+# -- encryption in transit ------------------------------------------------------------
+def encryption_in_transit(args: ResourceValidationArgs, report: Report) -> None:
+    cfg = _cfg("encryption-in-transit", args)
+    f = _facts(args, OVERLAY)
+    if f:
+        for link in f["links"]:
+            if link["transport"] not in ("wireguard", "loopback"):
+                report(
+                    f"[encryption-in-transit] {_where(args)}: link {link['a']}-"
+                    f"{link['b']} uses '{link['transport']}'; carry it on the WireGuard "
+                    "overlay",
+                    None,
+                )
+    f = _facts(args, TRAINING)
+    if f:
+        need = sorted({j for j in f["regions"].values() if j in cfg["requiredFor"]})
+        if need and f["cipher"] != "sm4-gcm":
+            report(
+                f"[encryption-in-transit] {_where(args)}: payload cipher is "
+                f"'{f['cipher']}' but {', '.join(need)} requires sm4-gcm; set "
+                "geotrain:training.compression.cipher: sm4-gcm",
+                None,
+            )
+        elif f["cipher"] == "none" and len(f["regions"]) > 1:
+            report(
+                f"[encryption-in-transit] {_where(args)}: payload cipher is 'none'; "
+                "cross-region gradients must be encrypted (sm4-gcm or aes-gcm)",
+                None,
+            )
+
+
+# -- no public exposure ---------------------------------------------------------------
+def _public(addr: str) -> str | None:
+    try:
+        ip = ipaddress.ip_address(addr)
+    except ValueError:
+        return f"'{addr}' is not an IP address"
+    if ip.is_unspecified:
+        return f"{addr} binds every interface, public ones included"
+    if not (ip.is_private or ip.is_loopback):
+        return f"{addr} is a public address"
+    return None
+
+
+def no_public_exposure(args: ResourceValidationArgs, report: Report) -> None:
+    f = args.props.get("facts") if args.resource_type in (MONITORING, TRAINING) else None
+    for e in (f or {}).get("endpoints", []):
+        why = _public(str(e["bind"]))
+        if why:
+            node = f" on {e['node']}" if e.get("node") else ""
+            report(
+                f"[no-public-exposure] {_where(args)}: {e['service']}{node} port "
+                f"{int(e['port'])}: {why}; bind it to a private or overlay address "
+                "(geotrain:monitoring.bind_address: private)",
+                None,
+            )
+    if args.resource_type == "kubernetes:core/v1:Service":
+        spec = args.props.get("spec") or {}
+        kind = spec.get("type", "ClusterIP")
+        if kind in ("LoadBalancer", "NodePort") and not spec.get("loadBalancerSourceRanges"):
+            report(
+                f"[no-public-exposure] {_where(args)}: type {kind} without "
+                "loadBalancerSourceRanges exposes it; use ClusterIP or add an allow-list",
+                None,
+            )
+
+
+# -- allowed GPU types and regions ----------------------------------------------------
+def allowed_gpu_types_and_regions(args: ResourceValidationArgs, report: Report) -> None:
+    f = _facts(args, POOL)
+    if not f:
+        return
+    cfg = _cfg("allowed-gpu-types-and-regions", args)
+    regions, gpus = cfg["allowedRegions"], cfg["allowedGpuTypes"]
+    if regions is not None and f["region"] not in regions:
+        report(
+            f"[allowed-gpu-types-and-regions] {_where(args)}: region '{f['region']}' is "
+            f"not allowed; use one of {', '.join(regions)}",
+            None,
+        )
+    for n in f["nodes"]:
+        if gpus is not None and n["gpu_type"] not in gpus:
+            report(
+                f"[allowed-gpu-types-and-regions] {_where(args)}: node {n['name']} uses "
+                f"{n['gpu_type']}; allowed: {', '.join(gpus)}",
+                None,
+            )
+
+
+# -- budget ---------------------------------------------------------------------------
+def budget_cap(args: StackValidationArgs, report: Report) -> None:
+    cfg = _cfg("budget-cap", args)
+    prices = {g: t.usd_per_hour for g, t in GPU_TYPES.items()} | dict(cfg["gpuPrices"])
+    nodes = [
+        n for r in args.resources if r.resource_type == POOL for n in r.props["facts"]["nodes"]
+    ]
+    count = sum(int(n["gpus"]) for n in nodes if n["gpu_type"] != "cpu")
+    cost = sum(int(n["gpus"]) * float(prices.get(n["gpu_type"], 0.0)) for n in nodes)
+    if cfg["maxGpus"] is not None and count > cfg["maxGpus"]:
+        report(
+            f"[budget-cap] stack: {count} GPUs exceed the cap of {int(cfg['maxGpus'])}; "
+            "remove nodes or raise maxGpus",
+            None,
+        )
+    if cfg["maxUsdPerHour"] is not None and cost > cfg["maxUsdPerHour"]:
+        report(
+            f"[budget-cap] stack: estimated ${cost:,.2f}/hour exceeds the cap of "
+            f"${float(cfg['maxUsdPerHour']):,.2f}/hour; use fewer or cheaper GPUs",
+            None,
+        )
+
+
+# -- checkpoints ----------------------------------------------------------------------
+def checkpoint_cadence(args: ResourceValidationArgs, report: Report) -> None:
+    f = _facts(args, TRAINING)
+    if not f:
+        return
+    cfg = _cfg("checkpoint-cadence", args)
+    every, keep = float(f["checkpoint"]["interval_minutes"]), int(f["checkpoint"]["keep"])
+    if every > cfg["maxIntervalMinutes"]:
+        report(
+            f"[checkpoint-cadence] {_where(args)}: checkpoints every {every:g} minutes; "
+            f"at most {cfg['maxIntervalMinutes']:g} (a failure loses up to one interval); "
+            "lower geotrain:training.checkpoint.interval_minutes",
+            None,
+        )
+    if keep < cfg["minKeep"]:
+        report(
+            f"[checkpoint-cadence] {_where(args)}: keeps {keep} checkpoint(s); at least "
+            f"{int(cfg['minKeep'])} so a torn newest one has a fallback",
+            None,
+        )
+
+
+# -- tags -----------------------------------------------------------------------------
+TAGGED = (POOL, OVERLAY, ROUTING, MONITORING, TRAINING)
+
+
+def required_tags(args: ResourceValidationArgs, report: Report) -> None:
+    cfg = _cfg("required-tags", args)
+    need = list(cfg["tags"])
+    if args.resource_type in TAGGED:
+        have = (args.props.get("facts") or {}).get("tags") or {}
+        if args.resource_type == POOL:
+            need.append("jurisdiction")
+    elif args.resource_type.startswith("kubernetes:") and "metadata" in args.props:
+        labels = (args.props.get("metadata") or {}).get("labels") or {}
+        have = {k.removeprefix("geotrain.io/"): v for k, v in labels.items()}
+        need.append("jurisdiction")
+    else:
+        return  # commands and providers carry no tags
+    missing = [t for t in need if not have.get(t)]
+    if missing:
+        report(
+            f"[required-tags] {_where(args)}: missing tag(s) {', '.join(missing)}; add "
+            "them under geotrain:tags",
+            None,
+        )
+
+
+# -- network integrity (stack) --------------------------------------------------------
+def network_integrity(args: StackValidationArgs, report: Report) -> None:
+    routing = [r for r in args.resources if r.resource_type == ROUTING]
+    if not routing:
+        return
+    f = routing[0].props["facts"]
+    seen: dict[int, str] = {}
+    for region, asn in f["asns"].items():
+        if int(asn) in seen:
+            report(
+                f"[network-integrity] stack: regions {seen[int(asn)]} and {region} share "
+                f"ASN {int(asn)}; give each region its own",
+                None,
+            )
+        seen[int(asn)] = region
+    nets = {r: ipaddress.ip_network(c) for r, c in f["subnets"].items()}
+    for (a, na), (b, nb) in itertools.combinations(nets.items(), 2):
+        if na.overlaps(nb):
+            report(f"[network-integrity] stack: subnets of {a} ({na}) and {b} ({nb}) overlap", None)
+    regions, links = list(f["asns"]), [tuple(link) for link in f["links"]]
+    if len(regions) > 1 and not _connected(regions, links):
+        report(
+            "[network-integrity] stack: the link graph does not connect every region; add links",
+            None,
+        )
+        return
+    for cut in links if len(regions) > 2 else []:
+        if not _connected(regions, [lk for lk in links if lk != cut]):
+            report(
+                f"[network-integrity] stack: link {cut[0]}-{cut[1]} is a single point of "
+                "failure (without it some regions cannot reach each other); add a link "
+                "that closes a ring",
+                None,
+            )
+
+
+def _connected(nodes: list[str], links: list[tuple[str, ...]]) -> bool:
+    reach, todo = {nodes[0]}, [nodes[0]]
+    while todo:
+        n = todo.pop()
+        for a, b in links:
+            for x, y in ((a, b), (b, a)):
+                if x == n and y not in reach:
+                    reach.add(y)
+                    todo.append(y)
+    return reach == set(nodes)
+
+
+# -- the policies ---------------------------------------------------------------------
+def _schema(name: str) -> PolicyConfigSchema:
+    types: dict[type, dict[str, Any]] = {
+        list: {"type": ["array", "null"]},
+        dict: {"type": "object"},
+        int: {"type": ["number", "null"]},
+        type(None): {"type": ["number", "array", "null"]},
+    }
+    props = {k: {**types.get(type(v), {}), "default": v} for k, v in DEFAULTS[name].items()}
+    return PolicyConfigSchema(properties=props)
+
+
+def _resource(name: str, description: str, fn: Any, severity: Severity) -> ResourceValidationPolicy:
+    return ResourceValidationPolicy(
+        name=name,
+        description=description,
+        validate=fn,
+        enforcement_level=EnforcementLevel.MANDATORY,
+        config_schema=_schema(name),
+        severity=severity,
+    )
+
+
+def _stack(name: str, description: str, fn: Any, severity: Severity) -> StackValidationPolicy:
+    return StackValidationPolicy(
+        name=name,
+        description=description,
+        validate=fn,
+        enforcement_level=EnforcementLevel.MANDATORY,
+        config_schema=_schema(name),
+        severity=severity,
+    )
+
+
+RESOURCE_POLICIES = [
+    _resource(
+        "data-residency",
+        "Raw data is placed and read only in regions of its "
+        "jurisdiction; only gradients or pseudo-gradients cross borders.",
+        data_residency,
+        Severity.CRITICAL,
+    ),
+    _resource(
+        "encryption-in-transit",
+        "Cross-region links ride the WireGuard overlay; "
+        "payloads are SM4-GCM encrypted where a jurisdiction requires it.",
+        encryption_in_transit,
+        Severity.CRITICAL,
+    ),
+    _resource(
+        "no-public-exposure",
+        "Metrics, Prometheus, Grafana and rendezvous endpoints "
+        "never bind public addresses; no unrestricted LoadBalancer/NodePort.",
+        no_public_exposure,
+        Severity.HIGH,
+    ),
+    _resource(
+        "allowed-gpu-types-and-regions",
+        "Pools use only allowed GPU types and regions.",
+        allowed_gpu_types_and_regions,
+        Severity.MEDIUM,
+    ),
+    _resource(
+        "checkpoint-cadence",
+        "Checkpoints at most every N minutes, keeping at least 2.",
+        checkpoint_cadence,
+        Severity.HIGH,
+    ),
+    _resource(
+        "required-tags",
+        "Every taggable resource carries owner, cost centre and (per region) jurisdiction.",
+        required_tags,
+        Severity.LOW,
+    ),
+]
+STACK_POLICIES = [
+    _stack(
+        "budget-cap",
+        "Total GPUs and estimated hourly cost stay under the caps.",
+        budget_cap,
+        Severity.HIGH,
+    ),
+    _stack(
+        "network-integrity",
+        "Unique ASNs, non-overlapping subnets, and a link graph that "
+        "survives any single link failure.",
+        network_integrity,
+        Severity.HIGH,
+    ),
+]
+ALL = [*RESOURCE_POLICIES, *STACK_POLICIES]
+
+
+def config_from_policy_settings(p: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """Pack config (policy name -> config) from a stack's `geotrain:policy` settings."""
+    return {
+        "encryption-in-transit": {"requiredFor": list(p.get("encryption_required_for", []))},
+        "allowed-gpu-types-and-regions": {
+            "allowedGpuTypes": p.get("allowed_gpu_types"),
+            "allowedRegions": p.get("allowed_regions"),
+        },
+        "budget-cap": {
+            "maxGpus": p.get("max_gpus"),
+            "maxUsdPerHour": p.get("max_usd_per_hour"),
+            "gpuPrices": dict(p.get("gpu_prices") or {}),
+        },
+        "checkpoint-cadence": {
+            "maxIntervalMinutes": p.get("max_checkpoint_interval_minutes", 30),
+            "minKeep": p.get("min_checkpoint_keep", 2),
+        },
+        "required-tags": {"tags": list(p.get("required_tags", ["owner", "cost-centre"]))},
+    }
