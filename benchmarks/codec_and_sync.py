@@ -73,8 +73,14 @@ def train(rank: int, world: int, method: str, steps: int, batch: int, seq: int) 
             return real(tensor, *a, **k)
 
         dist.all_reduce = counting  # type: ignore[assignment]
-        net = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
-        if method == "torch-fp16-hook":
+        # one bucket: DDP otherwise rebuilds buckets in gradient-ready order, which an MoE
+        # makes differ per rank (routing depends on the data), and PowerSGD then hangs
+        net = torch.nn.parallel.DistributedDataParallel(
+            model, find_unused_parameters=True, bucket_cap_mb=64
+        )
+        if method == "fp32-flat":  # DDP's default all-reduce, as a Python hook so it is counted
+            net.register_comm_hook(None, default_hooks.allreduce_hook)
+        elif method == "torch-fp16-hook":
             net.register_comm_hook(None, default_hooks.fp16_compress_hook)
         elif method == "torch-powersgd-r4":
             state = powerSGD_hook.PowerSGDState(

@@ -206,3 +206,47 @@ def check(stack: str, as_json: bool, policy_config: str | None, emit_config: str
             click.echo(f"{model.stack}: {len(resources)} resources pass every policy")
     if any(v.level == "mandatory" for v in violations):
         sys.exit(1)
+
+
+@cli.group()
+def lab() -> None:
+    """The network-namespace lab (root): regions, WireGuard, FRR on this host."""
+
+
+def _lab_plan(stack: str) -> tuple[object, Path]:
+    from infra.model import load_stack
+    from infra.plan import build_plan
+
+    plan = build_plan(load_stack(stack))
+    return plan, Path(".geotrain") / plan.stack / "lab"
+
+
+@lab.command("up")
+@STACK
+@friendly
+def lab_up_cmd(stack: str) -> None:
+    """Build the lab from the same renderers `pulumi up` uses."""
+    from infra.lab import lab_up
+
+    plan, state = _lab_plan(stack)
+    s = lab_up(plan, state)  # type: ignore[arg-type]
+    click.echo(
+        f"lab {s['stack']} up in {s['seconds']} s: {len(s['namespaces'])} "  # type: ignore[arg-type]
+        f"namespaces, {s['bgp_sessions']} BGP sessions established"
+    )
+
+
+@lab.command("down")
+@STACK
+@friendly
+def lab_down_cmd(stack: str) -> None:
+    """Remove every namespace, link, process and file the lab made."""
+    from infra.lab import lab_down, leftovers, preflight
+
+    preflight()
+    plan, state = _lab_plan(stack)
+    removed = lab_down(plan, state)  # type: ignore[arg-type]
+    left = leftovers(plan)  # type: ignore[arg-type]
+    if left:
+        raise SpecError(f"lab down left {', '.join(left)}; remove them by hand")
+    click.echo(f"lab down: removed {len(removed)} namespaces and directories")

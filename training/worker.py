@@ -101,9 +101,31 @@ def preflight(spec: LaunchSpec, node_name: str, local_rank: int) -> tuple[int, b
     return node.first_rank + local_rank, key, text
 
 
+def interface_of(address: str) -> str | None:
+    """Name of the interface that holds `address` (gloo must bind there: in the lab and on
+    multi-homed hosts the hostname does not resolve to the overlay address)."""
+    import subprocess
+
+    try:
+        out = subprocess.run(
+            ["ip", "-o", "-4", "addr", "show"], capture_output=True, text=True, check=True
+        ).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    for line in out.splitlines():
+        parts = line.split()
+        if len(parts) > 3 and parts[3].split("/")[0] == address:
+            return parts[1]
+    return None
+
+
 def setup(spec: LaunchSpec, node_name: str, local_rank: int, events: Path | None) -> Job:
     rank, key, text = preflight(spec, node_name, local_rank)
     region, node = spec.node(node_name)
+    if "GLOO_SOCKET_IFNAME" not in os.environ:
+        ifname = interface_of(node.host)
+        if ifname:
+            os.environ["GLOO_SOCKET_IFNAME"] = ifname
     device = torch.device("cuda", local_rank) if node.device == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
