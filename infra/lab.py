@@ -16,6 +16,7 @@ own directory bind-mounted there (inside `ip netns exec`'s private mount namespa
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -280,10 +281,8 @@ def lab_down(plan: Plan, state_dir: Path) -> list[str]:
         ns = str(n.netns)
         if ns in existing:
             for pid in sh("ip", "netns", "pids", ns, check=False).split():
-                try:
+                with contextlib.suppress(ProcessLookupError):
                     os.kill(int(pid), 9)
-                except ProcessLookupError:
-                    pass
             _wait_gone(ns)
             sh("ip", "netns", "del", ns, check=False)
             removed.append(ns)
