@@ -210,9 +210,9 @@ def _tunnel(plan: Plan, r: PlanRegion, t: Tunnel, keys: dict[str, str], state: P
 def _frr(plan: Plan, r: PlanRegion) -> None:
     ns = str(r.gateway.netns)
     etc, run = FRR_ETC / ns, FRR_RUN / ns
-    for d in (etc, run):
-        d.mkdir(parents=True, exist_ok=True)
-        shutil.chown(d, "frr", "frr")
+    for path in (etc, run):
+        path.mkdir(parents=True, exist_ok=True)
+        shutil.chown(path, "frr", "frr")
     (etc / "frr.conf").write_text(render_frr(plan, r.name))
     (etc / "vtysh.conf").write_text("service integrated-vtysh-config\n")
     for f in etc.iterdir():
