@@ -251,19 +251,32 @@ def bgp_established(plan: Plan) -> int:
     return up
 
 
+def bfd_up(plan: Plan) -> int:
+    up = 0
+    for r in plan.regions:
+        try:
+            peers = json.loads(vtysh(str(r.gateway.netns), "show bfd peers json") or "[]")
+        except (LabError, ValueError):
+            continue
+        up += sum(p.get("status") == "up" for p in peers)
+    return up
+
+
 def wait_for_bgp(plan: Plan, wait_s: float) -> int:
+    """Until every BGP session is established, every BFD session up (failover is armed
+    only then) and every gateway has a route to every other region."""
     want = 2 * len(plan.tunnels)
     deadline = time.monotonic() + wait_s
     while True:
         up = bgp_established(plan)
         routes = all(_has_routes(plan, r) for r in plan.regions)
-        if up == want and routes:
+        if up == want and routes and bfd_up(plan) == want:
             return up // 2
         if time.monotonic() > deadline:
             raise LabError(
-                f"{up // 2} of {want // 2} BGP sessions established after "
-                f"{wait_s:.0f} s; see `ip netns exec GW vtysh -N GW -c 'show bgp "
-                "summary'`"
+                f"{up // 2} of {want // 2} BGP sessions established and "
+                f"{bfd_up(plan) // 2} BFD sessions up after {wait_s:.0f} s; see "
+                "`ip netns exec GW vtysh -N GW -c 'show bgp summary'`"
             )
         time.sleep(0.5)
 

@@ -114,6 +114,9 @@ def render_frr(plan: Plan, region: str) -> str:
             f" neighbor {peer_ip} remote-as {plan.region(peer).asn}",
             f" neighbor {peer_ip} description {peer} via {ifname}",
             f" neighbor {peer_ip} bfd profile {BFD_PROFILE}",
+            # retry a dropped session every 5 s (default 120): a restored link is used
+            # again within seconds
+            f" neighbor {peer_ip} timers connect 5",
         ]
     lines += [" !", " address-family ipv4 unicast", f"  network {r.subnet}"]
     for t in plan.tunnels_of(region):
