@@ -85,7 +85,14 @@ def train(stack: str, fresh: bool, steps: int | None) -> None:
             f"{getattr(a, 'rc', '?')}; restarting from the newest checkpoint"
         )
 
-    result = launch(spec, spec_path, nodes, run_dir, on_poll=progress.update, on_restart=restarted)
+    prom = _start_monitoring(stack, spec.metrics_port, run_dir)
+    try:
+        result = launch(
+            spec, spec_path, nodes, run_dir, on_poll=progress.update, on_restart=restarted
+        )
+    finally:
+        if prom:
+            prom.stop()  # type: ignore[attr-defined]
     progress.update()
     click.echo("")
     report = summarize(log, spec.steps)
@@ -99,6 +106,22 @@ def train(stack: str, fresh: bool, steps: int | None) -> None:
         )
     click.echo(format_report(report))
     click.echo(f"report saved to {run_dir / 'report.json'}")
+
+
+def _start_monitoring(stack: str, metrics_port: int, run_dir: Path) -> object:
+    """A real Prometheus on the rendered config when it is installed; else say how."""
+    from geotrain.monitoring import INSTALL_HINT, start_prometheus
+    from infra.model import load_stack
+    from infra.plan import build_plan
+
+    if not metrics_port:
+        return None
+    prom = start_prometheus(build_plan(load_stack(stack)), run_dir)
+    if prom:
+        click.echo(f"prometheus: {prom.url} (config and alert rules in {run_dir}/prometheus)")
+    else:
+        click.echo(f"metrics on port {metrics_port}+ per rank; {INSTALL_HINT}")
+    return prom
 
 
 def _log_tail(log_dir: Path, worker: str | None) -> str:
@@ -250,3 +273,27 @@ def lab_down_cmd(stack: str) -> None:
     if left:
         raise SpecError(f"lab down left {', '.join(left)}; remove them by hand")
     click.echo(f"lab down: removed {len(removed)} namespaces and directories")
+
+
+@cli.command()
+@STACK
+@click.option("--once", is_flag=True, help="Print one snapshot and exit.")
+@click.option("--interval", default=2.0, show_default=True, help="Seconds between refreshes.")
+@friendly
+def top(stack: str, once: bool, interval: float) -> None:
+    """Live per-region view from the runtime's metrics endpoints (no Grafana needed)."""
+    import time
+
+    from geotrain.monitoring import format_top, scrape
+    from infra.model import load_stack
+    from infra.plan import build_plan
+
+    plan = build_plan(load_stack(stack))
+    while True:
+        text = format_top(scrape(plan))
+        if once:
+            click.echo(text)
+            return
+        click.clear()
+        click.echo(f"geotrain top - {plan.stack} (Ctrl-C to quit)\n{text}")
+        time.sleep(interval)

@@ -35,6 +35,8 @@ class SyncStats:
     """Encoded bytes this rank sent across regions."""
     sync_seconds: float = 0.0
     syncs: int = 0
+    per_peer_wire: dict[int, int] = field(default_factory=dict)
+    """Encoded bytes sent to each peer region (index): the per-link throughput."""
 
 
 @dataclass
@@ -112,6 +114,10 @@ class HierarchicalAllReduce:
         ]
         self.stats.cross_raw_bytes += 2 * 4 * pieces.shape[1] * (R - 1)
         self.stats.cross_wire_bytes += sum(map(len, sent)) + len(payload) * (R - 1)
+        for j in range(R):
+            if j != me:
+                peers = self.stats.per_peer_wire
+                peers[j] = peers.get(j, 0) + len(sent[j]) + len(payload)
         return torch.cat(out)[:n]
 
     def residual(self, bucket: int, piece: int) -> torch.Tensor:

@@ -113,6 +113,10 @@ def _stop(procs: object) -> None:
             p.wait()
 
 
+def _exit_on_signal(signum: int, _frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
 def launch(
     spec: LaunchSpec,
     spec_path: Path,
@@ -122,6 +126,9 @@ def launch(
     on_restart: Callable[[Attempt], None] | None = None,
 ) -> LaunchResult:
     """Run `nodes`' workers with up to spec.max_restarts restarts."""
+    # SIGTERM (systemd stop, kill) must run the cleanup below, not leave workers behind
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _exit_on_signal)
     result = LaunchResult()
     for restart in range(spec.max_restarts + 1):
         env = {

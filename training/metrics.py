@@ -44,6 +44,12 @@ class RuntimeMetrics:
         self.cross_raw = c(mn.CROSS_RAW_BYTES, "fp32 bytes the cross-region payloads stand for")
         self.cross_wire = c(mn.CROSS_WIRE_BYTES, "Encoded bytes sent across regions")
         self.intra = c(mn.INTRA_BYTES, "Bytes sent inside the region")
+        self.link = Counter(
+            mn.LINK_BYTES.removesuffix("_total"),
+            "Encoded bytes sent to one peer region",
+            (*LABELS, "peer_region"),
+            registry=r,
+        )
         self.ratio = g(mn.COMPRESSION_RATIO, "Cross-region raw / wire bytes")
         self.ckpt_age = g(mn.CHECKPOINT_AGE, "Seconds since the newest committed checkpoint")
         self.ckpt_s = g(mn.CHECKPOINT_SECONDS, "Seconds of the last checkpoint save")
@@ -52,6 +58,10 @@ class RuntimeMetrics:
         self.rejected = c(mn.REJECTED, "Cross-region payloads that failed verification")
         self._gpu = _nvml_gauges(r, self._labels)
         self._last_ckpt: float | None = None
+
+    def link_bytes(self, peer_region: str, n: int) -> None:
+        if n:
+            self.link.labels(**self._labels, peer_region=peer_region).inc(n)
 
     def serve(self, host: str, port: int) -> None:
         if port == 0:

@@ -431,6 +431,10 @@ def report(job: Job, loss: float, step_s: float, sync_s: float, merged: bool) ->
     m.cross_wire.inc(now["wire"] - job.reported.get("wire", 0))
     m.cross_raw.inc(now["raw"] - job.reported.get("raw", 0))
     m.intra.inc(now["intra"] - job.reported.get("intra", 0))
+    for peer, n in st.per_peer_wire.items():
+        key = f"link{peer}"
+        m.link_bytes(job.topo.region_names[peer], n - job.reported.get(key, 0))
+        now[key] = n
     job.reported = now
     if job.outer is None or merged:
         m.syncs.inc()

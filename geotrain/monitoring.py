@@ -1,0 +1,163 @@
+"""Monitoring for single-machine runs: a real Prometheus on the rendered config (local:
+this machine; lab: inside the monitoring host's namespace), and `geotrain top`'s reader."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from infra.plan import Plan
+from infra.render import render_alert_rules, render_prometheus
+from infra.render.monitoring import RULES_FILE
+from training import metric_names as mn
+from training.spec import metrics_port
+
+INSTALL_HINT = (
+    "Prometheus is not installed; `apt-get install prometheus` (Debian/Ubuntu) "
+    "or see https://prometheus.io/download/ - training runs without it"
+)
+
+
+@dataclass
+class PrometheusProcess:
+    proc: subprocess.Popen[bytes]
+    url: str
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def start_prometheus(
+    plan: Plan, run_dir: Path, port: int | None = None
+) -> PrometheusProcess | None:
+    """Start Prometheus on the stack's rendered config, or None (with the reason printed
+    by the caller) when the binary is missing."""
+    binary = shutil.which("prometheus")
+    if binary is None or not plan.model.monitoring.enabled:
+        return None
+    mon = plan.model.monitoring
+    host = plan.monitoring_host.private_ip
+    port = port or mon.prometheus_port
+    conf_dir = run_dir / "prometheus"
+    (conf_dir / "rules").mkdir(parents=True, exist_ok=True)
+    doc = yaml.safe_load(render_prometheus(plan))
+    for job in doc["scrape_configs"]:
+        if job["job_name"] == "prometheus":
+            job["static_configs"] = [{"targets": [f"{host}:{port}"]}]
+    doc["global"]["scrape_interval"] = doc["global"]["evaluation_interval"] = "2s"  # short runs
+    (conf_dir / "prometheus.yml").write_text(yaml.safe_dump(doc, sort_keys=False))
+    (conf_dir / RULES_FILE).write_text(render_alert_rules(plan))
+    cmd = [
+        binary,
+        f"--config.file={conf_dir / 'prometheus.yml'}",
+        f"--storage.tsdb.path={conf_dir / 'data'}",
+        f"--web.listen-address={host}:{port}",
+    ]
+    netns = plan.monitoring_host.netns
+    if netns:
+        cmd = ["ip", "netns", "exec", netns, *cmd]
+    log = open(conf_dir / "prometheus.log", "ab")  # noqa: SIM115 (owned by the process)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    log.close()
+    return PrometheusProcess(proc, f"http://{host}:{port}")
+
+
+@dataclass
+class RegionView:
+    step: float = 0.0
+    loss: list[float] = field(default_factory=list)
+    tokens_per_s: float = 0.0
+    sync_s: list[float] = field(default_factory=list)
+    ckpt_age: float | None = None
+    targets: int = 0
+    up: int = 0
+
+
+def targets(plan: Plan) -> list[tuple[str, str]]:
+    """(region, url) of every runtime metrics endpoint."""
+    base = plan.model.monitoring.metrics_port
+    out = []
+    for n in plan.nodes:
+        for i in range(n.gpus):
+            port = metrics_port(base, n.first_rank, i, n.kind == "local")
+            out.append((n.region, f"http://{n.private_ip}:{port}/metrics"))
+    return out
+
+
+def scrape(plan: Plan, timeout: float = 1.0) -> dict[str, RegionView]:
+    views: dict[str, RegionView] = {r.name: RegionView() for r in plan.regions}
+    for region, url in targets(plan):
+        v = views[region]
+        v.targets += 1
+        try:
+            with urllib.request.urlopen(url, timeout=timeout) as resp:
+                text = resp.read().decode()
+        except OSError:
+            continue
+        v.up += 1
+        _fold(v, text)
+    return views
+
+
+def _fold(v: RegionView, text: str) -> None:
+    values: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            values[s.name] = s.value
+    v.step = max(v.step, values.get(mn.STEP, 0.0))
+    if mn.LOSS in values:
+        v.loss.append(values[mn.LOSS])
+    v.tokens_per_s += values.get(mn.TOKENS_PER_SECOND, 0.0)
+    if mn.SYNC_SECONDS in values:
+        v.sync_s.append(values[mn.SYNC_SECONDS])
+    if values.get(mn.CHECKPOINT_AGE):
+        v.ckpt_age = max(v.ckpt_age or 0.0, values[mn.CHECKPOINT_AGE])
+
+
+def format_top(views: dict[str, RegionView]) -> str:
+    rows = [
+        f"{'region':<16}{'up':>6}{'step':>8}{'loss':>9}{'tok/s':>10}{'sync s':>9}{'ckpt age':>10}"
+    ]
+    for name, v in views.items():
+        loss = f"{sum(v.loss) / len(v.loss):.3f}" if v.loss else "-"
+        sync = f"{sum(v.sync_s) / len(v.sync_s):.3f}" if v.sync_s else "-"
+        age = f"{v.ckpt_age:.0f}s" if v.ckpt_age is not None else "-"
+        rows.append(
+            f"{name:<16}{f'{v.up}/{v.targets}':>6}{v.step:>8.0f}{loss:>9}"
+            f"{v.tokens_per_s:>10.0f}{sync:>9}{age:>10}"
+        )
+    return "\n".join(rows)
+
+
+def query(url: str, promql: str, timeout: float = 5.0) -> list[dict[str, Any]]:
+    """Instant query against a Prometheus server."""
+    import json
+    import urllib.parse
+
+    q = urllib.parse.urlencode({"query": promql})
+    with urllib.request.urlopen(f"{url}/api/v1/query?{q}", timeout=timeout) as resp:
+        body = json.loads(resp.read())
+    return list(body["data"]["result"])
+
+
+def wait_ready(url: str, seconds: float = 20.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"{url}/-/ready", timeout=1):
+                return True
+        except OSError:
+            time.sleep(0.2)
+    return False
