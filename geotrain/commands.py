@@ -8,11 +8,16 @@ import json
 import shutil
 import socket
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
 from geotrain.cli import STACK, cli, friendly
 from training.errors import SpecError
+from training.spec import LaunchSpec
+
+if TYPE_CHECKING:
+    from geotrain.monitoring import PrometheusProcess
 
 register = True
 
@@ -25,7 +30,7 @@ def free_port() -> int:
 
 def prepare_local_run(
     stack: str, fresh: bool, steps: int | None = None
-) -> tuple[object, Path, Path]:
+) -> tuple[LaunchSpec, Path, Path]:
     """Render the spec of a single-machine stack into .geotrain/<stack>/ with a key."""
     from infra.model import load_stack
     from infra.plan import build_plan
@@ -66,10 +71,6 @@ def train(stack: str, fresh: bool, steps: int | None) -> None:
     from training.report import EventLog, Progress, format_report, summarize
 
     spec, spec_path, run_dir = prepare_local_run(stack, fresh, steps)
-    assert isinstance(spec_path, Path) and isinstance(run_dir, Path)
-    from training.spec import LaunchSpec
-
-    assert isinstance(spec, LaunchSpec)
     nodes = [n for r in spec.regions for n in r.nodes]
     click.echo(
         f"run {spec.run_id}: {spec.world_size} workers in {len(spec.regions)} regions "
@@ -92,7 +93,7 @@ def train(stack: str, fresh: bool, steps: int | None) -> None:
         )
     finally:
         if prom:
-            prom.stop()  # type: ignore[attr-defined]
+            prom.stop()
     progress.update()
     click.echo("")
     report = summarize(log, spec.steps)
@@ -108,7 +109,7 @@ def train(stack: str, fresh: bool, steps: int | None) -> None:
     click.echo(f"report saved to {run_dir / 'report.json'}")
 
 
-def _start_monitoring(stack: str, metrics_port: int, run_dir: Path) -> object:
+def _start_monitoring(stack: str, metrics_port: int, run_dir: Path) -> PrometheusProcess | None:
     """A real Prometheus on the rendered config when it is installed; else say how."""
     from geotrain.monitoring import INSTALL_HINT, start_prometheus
     from infra.model import load_stack
