@@ -25,6 +25,7 @@ from typing import Any
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import DefaultSavePlanner
 from torch.distributed.checkpoint.api import CheckpointException
 
 from training.codec import derive_key
@@ -74,6 +75,8 @@ class Checkpointer:
     """Human-readable notes (torn checkpoints skipped, ...), for the launcher's report."""
 
     def __post_init__(self) -> None:
+        # the state's structure never changes between saves: plan once, reuse
+        self._planner = DefaultSavePlanner(enable_plan_caching=True)
         self._mac_key = derive_key(self.run_key, "checkpoint-manifest", 32)
         if self.rank == 0:
             try:
@@ -94,19 +97,32 @@ class Checkpointer:
         t0 = time.perf_counter()
         self.wait()
         d = self.root / f"{PREFIX}{step}"
-        if self.rank == 0:
-            if (d / MARKER).exists():
-                raise CheckpointError(f"{d} is already committed; refusing to overwrite it")
-            shutil.rmtree(d, ignore_errors=True)  # a torn attempt at this step
-            d.mkdir(parents=True)
-        dist.barrier(group=self.group)
+        if (d / MARKER).exists():
+            raise CheckpointError(f"{d} is already committed; refusing to overwrite it")
+        # no barrier: torn attempts were removed at startup (remove_torn), so every rank
+        # can create the directory itself; DCP's planning is the only synchronisation
+        d.mkdir(parents=True, exist_ok=True)
         try:
-            fut: Any = dcp.async_save(state, checkpoint_id=str(d), process_group=self.group)
+            fut: Any = dcp.async_save(
+                state, checkpoint_id=str(d), process_group=self.group, planner=self._planner
+            )
         except WRITE_ERRORS as e:
             raise self._write_error(d, e) from None
         self.pending_dir = d
         self.pending = _chain(fut, lambda: self._commit(d, step)) if self.rank == 0 else fut
         return time.perf_counter() - t0
+
+    def remove_torn(self) -> list[str]:
+        """Rank 0, at startup: delete step directories without a commit marker (a save that
+        died), so a later save of the same step starts clean. Returns what went."""
+        gone = []
+        if self.rank == 0:
+            for p in self._dirs():
+                if not (p / MARKER).exists():
+                    shutil.rmtree(p, ignore_errors=True)
+                    gone.append(p.name)
+        dist.barrier(group=self.group)
+        return gone
 
     def wait(self) -> None:
         """Block until the in-flight save (and its commit on rank 0) is done."""

@@ -243,6 +243,7 @@ def resume(job: Job) -> int | None:
     d = job.ckpt.latest()
     for note in job.ckpt.log:
         job.emit("checkpoint_skipped", note=note)
+    job.ckpt.remove_torn()
     if d is None:
         return None
     state = state_dict(job)
