@@ -14,7 +14,6 @@ summation order, which is the only difference).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -197,9 +196,6 @@ def flat_average(x: torch.Tensor, group: Any = None) -> torch.Tensor:
     y = x.detach().clone()
     dist.all_reduce(y, group=group)
     return y.div_(dist.get_world_size(group))
-
-
-Reducer = Callable[[torch.Tensor, int, int], torch.Tensor]
 
 
 # DDP inspects the hook's annotations as objects; `from __future__ import annotations`

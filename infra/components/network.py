@@ -84,7 +84,7 @@ class Overlay(pulumi.ComponentResource):
                 f"{name}-{gw.name}-sysctl",
                 target,
                 "/etc/sysctl.d/90-geotrain.conf",
-                render_sysctl(r),
+                render_sysctl(),
                 opts,
             )
             for t in plan.tunnels_of(r.name):

@@ -6,6 +6,7 @@ config; everything else receives a validated `StackModel`.
 
 from __future__ import annotations
 
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -121,8 +122,6 @@ def key_path(loc: tuple[Any, ...]) -> str:
 
 def _model_at(model: type[BaseModel], loc: tuple[Any, ...]) -> type[BaseModel]:
     """Walk field annotations down `loc` to the model class that owns the last key."""
-    import typing
-
     cur: Any = model
     for part in loc:
         if isinstance(part, int):

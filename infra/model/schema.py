@@ -12,7 +12,6 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-Name = str  # validated by the pattern below where used
 NAME_PATTERN = r"^[a-z][a-z0-9-]{0,30}[a-z0-9]$"
 Jurisdiction = Literal["CN", "EU", "US", "UK", "JP", "KR", "SG", "IN", "CA", "AU", "BR", "CH"]
 PoolKind = Literal["local", "lab", "ssh", "kubernetes"]

@@ -39,7 +39,7 @@ def render_all(plan: Plan, pubkeys: Mapping[str, str] | None = None) -> list[Art
                 )
             out.append(Artifact(f"nodes/{gw}/frr/frr.conf", render_frr(plan, r.name), gw))
             out.append(Artifact(f"nodes/{gw}/frr/daemons", frr_daemons(), gw))
-            out.append(Artifact(f"nodes/{gw}/sysctl.d/90-geotrain.conf", render_sysctl(r), gw))
+            out.append(Artifact(f"nodes/{gw}/sysctl.d/90-geotrain.conf", render_sysctl(), gw))
         if r.kind == "ssh":
             for n in r.nodes:
                 out.append(

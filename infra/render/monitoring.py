@@ -7,23 +7,18 @@ from typing import Any
 
 import yaml
 
-from infra.plan import Plan, PlanNode
+from infra.plan import Plan
 from training import metric_names as mn
 from training.spec import metrics_port
 
 RULES_FILE = "rules/geotrain.rules.yml"
 
 
-def scrape_host(plan: Plan, node: PlanNode) -> str:
-    """Where Prometheus reaches a node: private address (overlay), or loopback locally."""
-    return node.private_ip
-
-
 def render_prometheus(plan: Plan) -> str:
     mon = plan.model.monitoring
     runtime, node_exp, dcgm = [], [], []
     for n in plan.nodes:
-        host = scrape_host(plan, n)
+        host = n.private_ip  # overlay/private address (loopback locally)
         labels = {"region": n.region, "node": n.name}
         shared = n.kind == "local"  # every local node is this machine: offset by rank
         ports = [metrics_port(mon.metrics_port, n.first_rank, i, shared) for i in range(n.gpus)]
@@ -38,7 +33,7 @@ def render_prometheus(plan: Plan) -> str:
         {
             "job_name": "prometheus",
             "static_configs": [
-                {"targets": [f"{scrape_host(plan, plan.monitoring_host)}:{mon.prometheus_port}"]}
+                {"targets": [f"{plan.monitoring_host.private_ip}:{mon.prometheus_port}"]}
             ],
         },
     ]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from infra.plan import Plan, PlanRegion, Tunnel
+from infra.plan import Plan, Tunnel
 
 WG_KEY_DIR = "/etc/geotrain/wireguard"
 """Private keys live here on the gateway; generated there, never rendered or exported."""
@@ -146,7 +146,7 @@ def frr_daemons() -> str:
     return "bgpd=yes\nbfdd=yes\nospfd=no\nisisd=no\nvtysh_enable=yes\n"
 
 
-def render_sysctl(region: PlanRegion | None = None) -> str:
+def render_sysctl() -> str:
     """Gateways forward between tunnels and the region subnet; rp_filter off because with
     BGP failover a reply may arrive on another tunnel than its request left on."""
     return (
