@@ -1,6 +1,8 @@
 """Issue 5 benchmark (root): the lab's up/down time, BFD failover time, and the time of one
 gradient sync over the lab's WAN links shaped to 50 Mbit/s (tc tbf), geotrain's
 hierarchical int8+zstd+SM4 versus one flat gloo all-reduce over all ranks, in one run.
+The six workers train the demo model on their regions' data inside the lab's namespaces;
+every step's gradient is synced both ways (timed) and the hierarchical result is applied.
 
 Run: sudo .venv/bin/python benchmarks/lab_network.py. Prints a table and saves it to
 benchmarks/results/lab_network.md.
@@ -26,14 +28,19 @@ N_PARAMS = 2_452_992  # the demo model (deepseek-tiny)
 
 
 def worker(spec_path: str, rank: int, reps: int, out: str) -> None:
+    """Trains the demo model on its region's data inside its namespace; each step's
+    gradient (N_PARAMS values) is synced both ways, timed, and the hierarchical result
+    is what the optimizer applies."""
     import torch
     import torch.distributed as dist
 
     from training.codec import Codec
+    from training.data import ByteLoader, load_region_text
     from training.hier import HierarchicalAllReduce
-    from training.spec import CodecSpec, LaunchSpec
+    from training.model import build_model
+    from training.spec import LaunchSpec
     from training.topology import Topology, make_groups
-    from training.worker import interface_of
+    from training.worker import _flat_grads, _grads, _scatter, interface_of
 
     torch.set_num_threads(1)
     spec = LaunchSpec.load(spec_path)
@@ -53,21 +60,35 @@ def worker(spec_path: str, rank: int, reps: int, out: str) -> None:
     sync = HierarchicalAllReduce(
         topo,
         make_groups(topo, torch.device("cpu")),
-        Codec(CodecSpec(quantize="int8"), bytes(range(32))),
+        Codec(spec.codec, bytes(range(32))),
         spec.run_id,
     )
-    g = torch.randn(N_PARAMS, generator=torch.Generator().manual_seed(rank)) * 1e-3
+    torch.manual_seed(spec.seed)
+    model = build_model(spec.model)
+    params = list(model.parameters())
+    assert sum(p.numel() for p in params) == N_PARAMS
+    text = load_region_text(spec.regions[topo.region_index], topo.region_index, topo.regions)
+    loader = ByteLoader.of(text, spec.batch_size, spec.seq_len, spec.seed * 1000 + rank)
+    opt = torch.optim.AdamW(params, lr=spec.lr)
     times: dict[str, list[float]] = {"flat": [], "hier": []}
-    for i in range(reps):
-        for kind in ("flat", "hier"):
-            dist.barrier()
-            t0 = time.perf_counter()
-            if kind == "flat":
-                y = g.clone()
-                dist.all_reduce(y)
-            else:
-                sync.all_reduce(g, step=i)
-            times[kind].append(time.perf_counter() - t0)
+    for i in range(reps + 1):  # step 0 warms up both paths (connections, allocations)
+        opt.zero_grad(set_to_none=True)
+        model.loss(loader.next()).backward()
+        g = _flat_grads(params)
+        dist.barrier()
+        t0 = time.perf_counter()
+        y = g.clone()
+        dist.all_reduce(y)
+        t_flat = time.perf_counter() - t0
+        dist.barrier()
+        t0 = time.perf_counter()
+        avg = sync.all_reduce(g, step=i)
+        t_hier = time.perf_counter() - t0
+        _scatter(avg, _grads(params))
+        opt.step()
+        if i:
+            times["flat"].append(t_flat)
+            times["hier"].append(t_hier)
     dist.barrier()
     if rank == 0:
         Path(out).write_text(json.dumps(times))
@@ -155,7 +176,7 @@ def main() -> None:
         worker(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5])
         return
     ap = argparse.ArgumentParser()
-    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--failovers", type=int, default=3)
     a = ap.parse_args()
     sys.path.insert(0, str(ROOT))
@@ -210,8 +231,8 @@ def main() -> None:
         f"| lab down (s, 2 runs) | {', '.join(f'{d:.2f}' for d in downs)} |",
         f"| failover: cut to first packet on the alternate path (s, {len(fo)} runs) | "
         f"{', '.join(f'{f:.2f}' for f in fo)} |",
-        f"| one sync of {N_PARAMS:,} fp32 gradients, flat gloo all-reduce (s, median of "
-        f"{len(sync['flat'])}) | {flat:.2f} |",
+        f"| one sync of the step's {N_PARAMS:,} fp32 gradients, flat gloo all-reduce (s, "
+        f"median of {len(sync['flat'])} training steps) | {flat:.2f} |",
         f"| same, geotrain hierarchical int8+zstd+SM4 (s, median) | {hier:.2f} |",
         f"| speed-up hierarchical vs flat | {flat / hier:.1f}x |",
         f"| links unshaped (CPU floor of this 2-core machine): flat / hierarchical (s) | "

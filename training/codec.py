@@ -125,6 +125,11 @@ class Codec:
         self.stats.encode_seconds += time.perf_counter() - t0
         return payload, decoded
 
+    def quantized(self, x: torch.Tensor) -> torch.Tensor:
+        """The values a receiver would decode from `encode(x, ...)`, without a payload."""
+        x = x.detach().float().contiguous()
+        return _quantize(x, self.spec.quantize, self.spec.block_size)[1]
+
     def decode(self, payload: bytes, expect: Address) -> torch.Tensor:
         """Verify then decode; raises PayloadRejected (never returns unverified data)."""
         t0 = time.perf_counter()

@@ -57,27 +57,55 @@ class HierarchicalAllReduce:
         n = x.numel()
         L = topo.local_size
         padded = torch.nn.functional.pad(x.detach().float().reshape(-1), (0, (-n) % L))
-        shard_n = padded.numel() // L
-        shard = torch.empty(shard_n, dtype=torch.float32, device=padded.device)
-        dist.reduce_scatter_single(shard, padded.to(g.device), group=g.intra)  # (N/L,)
-        self.stats.intra_bytes += 4 * shard_n * (L - 1)
+        shard = self._intra_reduce_scatter(padded.to(g.device))  # (N/L,)
+        self.stats.intra_bytes += 4 * shard.numel() * (L - 1)
         total = self._exchange(shard.cpu(), step, bucket)  # (N/L,) sum over all regions
         total.div_(topo.world_size)
-        full = torch.empty(padded.numel(), dtype=torch.float32, device=g.device)
-        dist.all_gather_single(full, total.to(g.device), group=g.intra)
-        self.stats.intra_bytes += 4 * shard_n * (L - 1)
+        full = self._intra_all_gather(total.to(g.device))
+        self.stats.intra_bytes += 4 * shard.numel() * (L - 1)
         self.stats.sync_seconds += time.perf_counter() - t0
         self.stats.syncs += 1
         return full[:n].view_as(x).to(x.device)
+
+    def _intra_reduce_scatter(self, x: torch.Tensor) -> torch.Tensor:
+        """(L * S,) -> (S,): the region's sum of this rank's shard. NCCL has a native
+        reduce-scatter; gloo's is an all-reduce underneath (all N values reduced on every
+        rank), so on gloo each rank receives only its shard from every peer (one
+        all-to-all, (L - 1) / L of N sent) and sums the L copies in rank order."""
+        L, g = self.topo.local_size, self.groups
+        if L == 1:
+            return x
+        if x.device.type == "cuda":
+            out = torch.empty(x.numel() // L, dtype=x.dtype, device=x.device)
+            dist.reduce_scatter_single(out, x, group=g.intra)
+            return out
+        got = torch.empty_like(x)
+        dist.all_to_all_single(got, x, group=g.intra)  # row i: rank i's copy of my shard
+        return got.view(L, -1).sum(dim=0)
+
+    def _intra_all_gather(self, shard: torch.Tensor) -> torch.Tensor:
+        """(S,) -> (L * S,): every rank's shard, in rank order. On gloo an all-to-all of
+        the shard to every peer moves the same bytes as a ring all-gather in one round."""
+        L, g = self.topo.local_size, self.groups
+        if L == 1:
+            return shard
+        out = torch.empty(L * shard.numel(), dtype=shard.dtype, device=shard.device)
+        if shard.device.type == "cuda":
+            dist.all_gather_single(out, shard, group=g.intra)
+        else:
+            dist.all_to_all_single(out, shard.expand(L, -1).reshape(-1), group=g.intra)
+        return out
 
     def _exchange(self, shard: torch.Tensor, step: int, bucket: int) -> torch.Tensor:
         """Cross-region sum of `shard` (S,), identical on every region.
 
         Reduce-scatter then all-gather across the R regions: the shard is cut into R pieces
         (P,); piece j goes (encoded) to region j, which sums the R decoded copies and sends
-        the encoded sum to every region. Each rank sends 2 (R - 1) / R of its shard rather
-        than (R - 1) shards. Every value a region uses comes out of the decoder (its own
-        contributions too), so all regions apply bitwise the same result.
+        the encoded sum straight to every region (one hop per link; a ring all-gather
+        would forward R - 2 of the sums through a third region). Each rank sends
+        2 (R - 1) / R of its shard rather than (R - 1) shards. Every value a region uses
+        comes out of the decoder (its own contributions too), so all regions apply bitwise
+        the same result.
         """
         topo = self.topo
         R, me = topo.regions, topo.region_index
@@ -88,9 +116,9 @@ class HierarchicalAllReduce:
         res = self.residual(bucket, pieces.shape[1])  # (R + 1, P)
         sent: list[bytes] = []
         own = torch.empty(0)
-        for j in range(R):  # stage 1: piece j to region j
-            payload, dec = self._encode(pieces[j], res, j, step, bucket)
-            sent.append(b"" if j == me else payload)
+        for j in range(R):  # stage 1: piece j to region j (own piece: quantized, not sent)
+            payload, dec = self._encode(pieces[j], res, j, step, bucket, send=j != me)
+            sent.append(payload)
             if j == me:
                 own = dec
         got = self._all_to_all_bytes(sent)
@@ -104,7 +132,7 @@ class HierarchicalAllReduce:
                 )
             )
         payload, mine = self._encode(piece, res, R, step, bucket)  # stage 2: the sum of piece me
-        blobs = self._all_gather_bytes(payload)
+        blobs = self._all_to_all_bytes([b"" if i == me else payload for i in range(R)])
         out = [
             mine
             if i == me
@@ -127,12 +155,22 @@ class HierarchicalAllReduce:
         return self.residuals[bucket]
 
     def _encode(
-        self, x: torch.Tensor, res: torch.Tensor, part: int, step: int, bucket: int
+        self,
+        x: torch.Tensor,
+        res: torch.Tensor,
+        part: int,
+        step: int,
+        bucket: int,
+        send: bool = True,
     ) -> tuple[bytes, torch.Tensor]:
+        """(payload, the values its receivers decode); with send=False only the values."""
         if self.error_feedback:
             x = x + res[part]
-        addr = Address(self.run_id, self.epoch, step, self.topo.region_index, bucket, part)
-        payload, decoded = self.codec.encode(x, addr)
+        if send:
+            addr = Address(self.run_id, self.epoch, step, self.topo.region_index, bucket, part)
+            payload, decoded = self.codec.encode(x, addr)
+        else:
+            payload, decoded = b"", self.codec.quantized(x)
         if self.error_feedback:
             res[part] = x - decoded
         return payload, decoded
@@ -156,20 +194,6 @@ class HierarchicalAllReduce:
             out.append(recv[at : at + k].numpy().tobytes())
             at += k
         return out
-
-    def _all_gather_bytes(self, payload: bytes) -> list[bytes]:
-        g = self.groups.cross
-        R = self.topo.regions
-        size = torch.tensor([len(payload)], dtype=torch.int64)
-        sizes = torch.empty(R, dtype=torch.int64)
-        dist.all_gather_single(sizes, size, group=g)
-        most = int(sizes.max())
-        buf = torch.zeros(most, dtype=torch.uint8)
-        buf[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-        out = torch.empty(R * most, dtype=torch.uint8)
-        dist.all_gather_single(out, buf, group=g)
-        rows = out.view(R, most)
-        return [rows[i, : int(sizes[i])].numpy().tobytes() for i in range(R)]
 
 
 @dataclass
