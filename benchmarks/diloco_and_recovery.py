@@ -4,10 +4,12 @@ x 2 ranks), side by side in one run:
 - cross-region bytes per parameter per inner step: per-step fp32 all-reduce (the flat
   ring estimate), geotrain allreduce int8, and diloco with H = 50, 100, 500 (int8, int4),
   with the final loss at equal tokens and its gap to allreduce int8;
-- checkpoint stall: ms the training loop waits per save, and as % of a step;
+- checkpoint stall: ms the training loop waits per save, and as % of a step; and the
+  background cost: how much slower the steps are while a save is being written;
 - recovery: seconds from kill -9 of a worker to the first step after the resume.
 
-Run: python benchmarks/diloco_and_recovery.py [--steps 500]. Saves
+Run: python benchmarks/diloco_and_recovery.py [--steps 500] [--stall-only |
+--recovery-only] (re-measure those rows of the saved table only). Saves
 benchmarks/results/diloco_and_recovery.md.
 """
 
@@ -96,6 +98,36 @@ def recovery(tmp: Path, steps: int) -> tuple[float, int]:
     return first - t0, kill_at - resume["step"]
 
 
+def train_allreduce(tmp: Path, steps: int) -> dict[str, Any]:
+    return train(tmp, "ar", steps, sync="allreduce", checkpoint={"interval_steps": 50, "keep": 2})
+
+
+def stall_rows(run: dict[str, Any]) -> list[str]:
+    """What a save costs the loop: the wait inside save(), and the extra time of the steps
+    that ran while the save was written in the background (vs. the other steps)."""
+    ev = run["events"]
+    stalls = [e["stall_s"] for e in ev if e["event"] == "checkpoint"]
+    steps = [e for e in ev if e["event"] == "step" and e["step"] > 1]  # past the warm-up
+    busy = [e["step_s"] for e in steps if e.get("saving")]
+    free = [e["step_s"] for e in steps if not e.get("saving")]
+    step_s = sum(free) / len(free)
+    stall = sum(stalls) / len(stalls)
+    extra = (sum(busy) - len(busy) * step_s) / len(stalls)  # per save, all leaders' view
+    return [
+        f"| checkpoint stall per save (ms, mean of {len(stalls)}) | {1000 * stall:.1f} |",
+        f"| stall as % of one step ({1000 * step_s:.0f} ms) | {100 * stall / step_s:.1f}% |",
+        f"| steps per save written in the background | {len(busy) / len(stalls):.1f} |",
+        f"| background cost per save: those steps' extra time (ms) | {1000 * extra:.1f} |",
+    ]
+
+
+def recovery_rows(rec_s: float, lost: int) -> list[str]:
+    return [
+        f"| recovery: kill -9 to first step after resume (s) | {rec_s:.1f} |",
+        f"| work lost (steps; interval 10) | {lost} |",
+    ]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=500)
@@ -104,27 +136,27 @@ def main() -> None:
         action="store_true",
         help="re-measure recovery and update those rows of the saved table",
     )
+    ap.add_argument(
+        "--stall-only",
+        action="store_true",
+        help="re-measure the checkpoint stall and update those rows of the saved table",
+    )
     a = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="geotrain-bench-"))
-    if a.recovery_only:
-        rec_s, lost = recovery(tmp, 60)
+    if a.recovery_only or a.stall_only:
+        if a.stall_only:
+            new = stall_rows(train_allreduce(tmp, a.steps))
+        else:
+            rec_s, lost = recovery(tmp, 60)
+            new = recovery_rows(rec_s, lost)
         path = RESULTS / "diloco_and_recovery.md"
-        rows = [
-            ln
-            for ln in path.read_text().splitlines()
-            if not ln.startswith(("| recovery", "| work lost"))
-        ]
-        rows += [
-            f"| recovery: kill -9 to first step after resume (s) | {rec_s:.1f} |",
-            f"| work lost (steps; interval 10) | {lost} |",
-        ]
-        path.write_text("\n".join(rows) + "\n")
-        print("\n".join(rows[-2:]))
+        heads = tuple(row.split(" (")[0].split(" |")[0] for row in new)
+        rows = [ln for ln in path.read_text().splitlines() if not ln.startswith(heads)]
+        path.write_text("\n".join(rows + new) + "\n")
+        print("\n".join(new))
         return
     runs: dict[str, dict[str, Any]] = {}
-    runs["allreduce int8"] = train(
-        tmp, "ar", a.steps, sync="allreduce", checkpoint={"interval_steps": 50, "keep": 2}
-    )
+    runs["allreduce int8"] = train_allreduce(tmp, a.steps)
     for h in (50, 100, 500):
         for q in ("int8", "int4"):
             runs[f"diloco H={h} {q}"] = train(
@@ -156,19 +188,9 @@ def main() -> None:
             f"| {name} | {b:.4f} | {fp32 / b:,.0f}x | {r['final_loss_tail']:.4f} | "
             f"{100 * gap:+.2f}% |"
         )
-    stalls = [e["stall_s"] for e in base["events"] if e["event"] == "checkpoint"]
-    step_s = base["step_seconds"] / steps
-    stall = sum(stalls) / len(stalls)
     rec_s, lost = recovery(tmp, 60)
-    lines += [
-        "",
-        "| checkpoint and recovery | value |",
-        "|---|---|",
-        f"| checkpoint stall per save (ms, mean of {len(stalls)}) | {1000 * stall:.1f} |",
-        f"| stall as % of one step ({1000 * step_s:.0f} ms) | {100 * stall / step_s:.1f}% |",
-        f"| recovery: kill -9 to first step after resume (s) | {rec_s:.1f} |",
-        f"| work lost (steps; interval 10) | {lost} |",
-    ]
+    lines += ["", "| checkpoint and recovery | value |", "|---|---|"]
+    lines += stall_rows(base) + recovery_rows(rec_s, lost)
     table = "\n".join(lines) + "\n"
     print(table)
     RESULTS.mkdir(exist_ok=True)

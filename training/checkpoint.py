@@ -5,24 +5,33 @@ the run id and step, HMAC-SHA256 under a key derived from the run key), then `CO
 (written last, by atomic rename). A directory without a valid marker is torn and never
 loaded. DCP's metadata is a pickle: nothing is handed to DCP before the manifest verifies.
 
-Saves are asynchronous (`dcp.async_save` on a dedicated gloo group, so the training loop
-only waits for the in-memory staging); rank 0 commits when every rank's write is done
-and then prunes to `keep` committed checkpoints. Never overwrites a committed step.
+Saves are asynchronous. `save` only deep-copies the state's plain values and hands its
+tensors to a writer thread, which first copies them into CPU buffers kept from the
+previous save (a `Snapshot`: no allocation), then runs DCP (its planning is a collective
+on a dedicated gloo group, where ranks wait for each other) and the writes. The training
+loop calls `fence` before it next changes any state tensor (the gradient sync, the
+optimizer step), so the copy overlaps the next forward and backward pass; the loop waits
+only if the copy is not done by then. Rank 0 commits when every rank's write is done and
+then prunes to `keep` committed checkpoints. Never overwrites a committed step.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import copy
 import hashlib
 import hmac
 import json
 import os
 import shutil
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultSavePlanner
@@ -77,6 +86,9 @@ class Checkpointer:
     def __post_init__(self) -> None:
         # the state's structure never changes between saves: plan once, reuse
         self._planner = DefaultSavePlanner(enable_plan_caching=True)
+        self._snapshot = Snapshot()
+        self._staged: threading.Event | None = None
+        self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ckpt")
         self._mac_key = derive_key(self.run_key, "checkpoint-manifest", 32)
         if self.rank == 0:
             try:
@@ -93,7 +105,8 @@ class Checkpointer:
 
     # -- save ---------------------------------------------------------------------------
     def save(self, step: int, state: dict[str, Any]) -> float:
-        """Start an async save of `state` at `step`; returns seconds the caller waited."""
+        """Start an async save of `state` at `step`; returns seconds the caller waited. Its
+        tensors must not change until `fence()` returns."""
         t0 = time.perf_counter()
         self.wait()
         d = self.root / f"{PREFIX}{step}"
@@ -102,15 +115,38 @@ class Checkpointer:
         # no barrier: torn attempts were removed at startup (remove_torn), so every rank
         # can create the directory itself; DCP's planning is the only synchronisation
         d.mkdir(parents=True, exist_ok=True)
-        try:
-            fut: Any = dcp.async_save(
-                state, checkpoint_id=str(d), process_group=self.group, planner=self._planner
-            )
-        except WRITE_ERRORS as e:
-            raise self._write_error(d, e) from None
+        snap, fill = self._snapshot.stage(state)
+        self._staged = threading.Event()
         self.pending_dir = d
-        self.pending = _chain(fut, lambda: self._commit(d, step)) if self.rank == 0 else fut
+        self.pending = self._writer.submit(self._write, d, step, snap, fill, self._staged)
         return time.perf_counter() - t0
+
+    def fence(self) -> float:
+        """Block until the last save has its copy of the state; call before changing any
+        state tensor. Returns seconds waited."""
+        t0 = time.perf_counter()
+        if self._staged is not None:
+            self._staged.wait()
+            self._staged = None
+        return time.perf_counter() - t0
+
+    def _write(
+        self,
+        d: Path,
+        step: int,
+        snap: dict[str, Any],
+        fill: Callable[[], None],
+        staged: threading.Event,
+    ) -> None:
+        """On the writer thread: copy the state, DCP's collective planning and the file
+        writes, then (rank 0, after every rank's write is done) manifest and marker."""
+        try:
+            fill()
+        finally:
+            staged.set()  # an error surfaces from wait(); the fence must not hang
+        dcp.save(snap, checkpoint_id=str(d), process_group=self.group, planner=self._planner)
+        if self.rank == 0:
+            self._commit(d, step)
 
     def remove_torn(self) -> list[str]:
         """Rank 0, at startup: delete step directories without a commit marker (a save that
@@ -124,9 +160,14 @@ class Checkpointer:
         dist.barrier(group=self.group)
         return gone
 
+    def saving(self) -> bool:
+        """Whether a save is still being written in the background."""
+        return self.pending is not None and not self.pending.done()
+
     def wait(self) -> None:
         """Block until the in-flight save (and its commit on rank 0) is done."""
         if self.pending is not None:
+            self._staged = None
             fut, self.pending = self.pending, None
             try:
                 fut.result()
@@ -216,16 +257,54 @@ class Checkpointer:
         dcp.load(state, checkpoint_id=str(d), process_group=self.group)
 
 
-def _chain(fut: Any, then: Any) -> concurrent.futures.Future[Any]:
-    out: concurrent.futures.Future[Any] = concurrent.futures.Future()
+class Snapshot:
+    """A CPU copy of a nested state dict (dicts, lists, tuples; tensors and plain values)
+    that reuses the previous copy's buffers while the structure is unchanged, so a save
+    allocates nothing and copies each tensor once."""
 
-    def done(f: Any) -> None:
-        try:
-            f.result()
-            then()
-            out.set_result(None)
-        except BaseException as e:  # surfaced by wait() in the training loop
-            out.set_exception(e)
+    def __init__(self) -> None:
+        self._buffers: list[torch.Tensor] = []
+        self._signature: list[tuple[torch.Size, torch.dtype]] = []
 
-    fut.add_done_callback(done)
-    return out
+    def stage(self, state: dict[str, Any]) -> tuple[dict[str, Any], Callable[[], None]]:
+        """(the snapshot, with plain values copied now and the buffers in place of the
+        tensors; the function that fills the buffers from the live tensors). The previous
+        snapshot must no longer be in use."""
+        tensors: list[torch.Tensor] = []
+        _collect(state, tensors)
+        signature = [(t.shape, t.dtype) for t in tensors]
+        if signature != self._signature:
+            self._buffers = [torch.empty(t.shape, dtype=t.dtype) for t in tensors]
+            self._signature = signature
+        pairs = list(zip(self._buffers, tensors, strict=True))
+
+        def fill() -> None:
+            with torch.no_grad():
+                for buf, t in pairs:
+                    buf.copy_(t)
+
+        return _rebuild(state, iter(self._buffers)), fill
+
+
+def _collect(obj: Any, out: list[torch.Tensor]) -> None:
+    if isinstance(obj, torch.Tensor):
+        out.append(obj)
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            _collect(v, out)
+    elif isinstance(obj, list | tuple):
+        for v in obj:
+            _collect(v, out)
+
+
+def _rebuild(obj: Any, bufs: Any) -> Any:
+    """`obj` with every tensor replaced by the next buffer (same walk order as _collect)
+    and every other leaf copied, so later changes to the live state cannot leak in."""
+    if isinstance(obj, torch.Tensor):
+        return next(bufs)
+    if isinstance(obj, dict):
+        return {k: _rebuild(v, bufs) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        items = [_rebuild(v, bufs) for v in obj]
+        return items if isinstance(obj, list) else tuple(items)
+    return copy.deepcopy(obj)

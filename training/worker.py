@@ -56,6 +56,8 @@ class Job:
     started: float = field(default_factory=time.monotonic)
     last_merge: float = field(default_factory=time.monotonic)
     last_save: float = field(default_factory=time.monotonic)
+    saved: tuple[int, float] | None = None
+    """(step, seconds save() took) of a save whose copy of the state is still being taken."""
     reported: dict[str, int] = field(default_factory=dict)
     """Byte counters already added to the Prometheus counters."""
 
@@ -383,6 +385,19 @@ def _due(job: Job) -> tuple[bool, bool]:
     return merge_due, ckpt_due
 
 
+def staged(job: Job) -> None:
+    """Wait (if needed) for the last save's copy of the state, then report what the save
+    cost the loop: the wait in save() plus the wait here."""
+    if job.saved is None:
+        return
+    step, save_s = job.saved
+    stall = save_s + job.ckpt.fence()
+    job.saved = None
+    job.metrics.checkpointed(stall)
+    if job.topo.rank == 0:
+        job.emit("checkpoint", step=step, stall_s=stall)
+
+
 def train_step(job: Job) -> None:
     t0 = time.perf_counter()
     sync_before = job.sync.stats.sync_seconds
@@ -390,6 +405,7 @@ def train_step(job: Job) -> None:
     loss = job.model.loss(tokens)
     job.opt.zero_grad(set_to_none=True)
     loss.backward()
+    staged(job)  # the last save's copy of the state must be taken before it changes
     if job.outer is None:
         sync_grads(job)
     else:
@@ -401,11 +417,8 @@ def train_step(job: Job) -> None:
     job.step += 1
     job.tokens += tokens.numel() - tokens.shape[0]
     if ckpt_due:
-        stall = job.ckpt.save(job.step, state_dict(job))
+        job.saved = (job.step, job.ckpt.save(job.step, state_dict(job)))
         job.last_save = time.monotonic()
-        job.metrics.checkpointed(stall)
-        if job.topo.rank == 0:
-            job.emit("checkpoint", step=job.step, stall_s=stall)
     report(
         job,
         loss.item(),
@@ -454,6 +467,7 @@ def report(job: Job, loss: float, step_s: float, sync_s: float, merged: bool) ->
             sync_s=stats[3].item() / L,
             step_s=step_s,
             merged=merged,
+            saving=job.ckpt.saving(),
             **extra,
         )
 
@@ -476,6 +490,7 @@ def run(
         job.emit("resume", step=resumed)
     while job.step < spec.steps:
         train_step(job)
+    staged(job)
     job.ckpt.wait()
     if job.topo.rank == 0 and run_dir is not None:
         torch.save(job.model.state_dict(), run_dir / "final.pt")

@@ -62,6 +62,25 @@ def test_resume_loads_the_newest_committed_checkpoint(tmp_path: Path) -> None:
     assert (name, value, log) == ("step-2", 2.0, [])
 
 
+def _save_then_change(rank: int, world: int, root: str) -> list[float]:
+    """Save, fence, then change the live tensors in place (as the optimizer does) while the
+    write is still under way; and a plain value changed right after save()."""
+    c = _ckpt(Path(root))
+    state = {"w": torch.full((2_000_000,), 1.0), "meta": {"tokens": [1]}}
+    c.save(1, state)
+    c.fence()
+    state["w"].add_(1.0)
+    state["meta"]["tokens"].append(2)
+    c.wait()
+    back = {"w": torch.zeros(2_000_000), "meta": {"tokens": [0]}}
+    c.load(Path(root) / "step-1", back)
+    return [back["w"].min().item(), back["w"].max().item(), len(back["meta"]["tokens"])]
+
+
+def test_a_save_holds_the_state_as_of_the_call_once_fenced(tmp_path: Path) -> None:
+    assert run_world(_save_then_change, 1, str(tmp_path / "ckpt"))[0] == [1.0, 1.0, 1]
+
+
 def test_retention_keeps_only_the_newest(tmp_path: Path) -> None:
     root = _make(tmp_path, (1, 2, 3, 4, 5))
     assert sorted(p.name for p in root.iterdir() if p.is_dir()) == ["step-3", "step-4", "step-5"]
