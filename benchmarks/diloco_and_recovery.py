@@ -151,8 +151,13 @@ def main() -> None:
             new = recovery_rows(rec_s, lost)
         path = RESULTS / "diloco_and_recovery.md"
         heads = tuple(row.split(" (")[0].split(" |")[0] for row in new)
-        rows = [ln for ln in path.read_text().splitlines() if not ln.startswith(heads)]
-        path.write_text("\n".join(rows + new) + "\n")
+        rows: list[str] = []
+        for ln in path.read_text().splitlines():  # the new rows where the old ones were
+            if not ln.startswith(heads):
+                rows.append(ln)
+            elif new[0] not in rows:
+                rows += new
+        path.write_text("\n".join(rows if new[0] in rows else rows + new) + "\n")
         print("\n".join(new))
         return
     runs: dict[str, dict[str, Any]] = {}
