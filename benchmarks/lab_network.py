@@ -245,7 +245,8 @@ def main() -> None:
         "",
         "Six workers, userspace wireguard-go and FRR share 2 cores here, so the hierarchical "
         "sync's codec and process overhead (the unshaped time) is a floor that hosts with a "
-        "core per rank and kernel WireGuard do not have.",
+        "core per rank and kernel WireGuard do not have. Each step's gradient is synced "
+        "both ways; the hierarchical result is the one applied.",
         "",
         f"BFD: {plan.model.network.bfd_interval_ms} ms x {plan.model.network.bfd_multiplier}. "
         "Latency is not emulated (netem is not available here); only bandwidth is shaped.",
