@@ -87,7 +87,8 @@ class Checkpointer:
         # the state's structure never changes between saves: plan once, reuse
         self._planner = DefaultSavePlanner(enable_plan_caching=True)
         self._snapshot = Snapshot()
-        self._staged: threading.Event | None = None
+        self._staged: tuple[threading.Event, int, float] | None = None
+        """(copy taken, step, seconds save() took) of the save the loop has not fenced."""
         self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ckpt")
         self._mac_key = derive_key(self.run_key, "checkpoint-manifest", 32)
         if self.rank == 0:
@@ -104,9 +105,9 @@ class Checkpointer:
                 ) from None
 
     # -- save ---------------------------------------------------------------------------
-    def save(self, step: int, state: dict[str, Any]) -> float:
-        """Start an async save of `state` at `step`; returns seconds the caller waited. Its
-        tensors must not change until `fence()` returns."""
+    def save(self, step: int, state: dict[str, Any]) -> None:
+        """Start an async save of `state` at `step`. Its tensors must not change until
+        `fence()` returns."""
         t0 = time.perf_counter()
         self.wait()
         d = self.root / f"{PREFIX}{step}"
@@ -116,19 +117,22 @@ class Checkpointer:
         # can create the directory itself; DCP's planning is the only synchronisation
         d.mkdir(parents=True, exist_ok=True)
         snap, fill = self._snapshot.stage(state)
-        self._staged = threading.Event()
+        copied = threading.Event()
         self.pending_dir = d
-        self.pending = self._writer.submit(self._write, d, step, snap, fill, self._staged)
-        return time.perf_counter() - t0
+        self.pending = self._writer.submit(self._write, d, step, snap, fill, copied)
+        self._staged = (copied, step, time.perf_counter() - t0)
 
-    def fence(self) -> float:
+    def fence(self) -> tuple[int, float] | None:
         """Block until the last save has its copy of the state; call before changing any
-        state tensor. Returns seconds waited."""
+        state tensor. Returns, once per save, (its step, the seconds the caller waited for
+        it: in save() and here); None when there is nothing to wait for."""
+        if self._staged is None:
+            return None
+        copied, step, save_s = self._staged
         t0 = time.perf_counter()
-        if self._staged is not None:
-            self._staged.wait()
-            self._staged = None
-        return time.perf_counter() - t0
+        copied.wait()
+        self._staged = None
+        return step, save_s + time.perf_counter() - t0
 
     def _write(
         self,
@@ -264,7 +268,6 @@ class Snapshot:
 
     def __init__(self) -> None:
         self._buffers: list[torch.Tensor] = []
-        self._signature: list[tuple[torch.Size, torch.dtype]] = []
 
     def stage(self, state: dict[str, Any]) -> tuple[dict[str, Any], Callable[[], None]]:
         """(the snapshot, with plain values copied now and the buffers in place of the
@@ -272,10 +275,12 @@ class Snapshot:
         snapshot must no longer be in use."""
         tensors: list[torch.Tensor] = []
         _collect(state, tensors)
-        signature = [(t.shape, t.dtype) for t in tensors]
-        if signature != self._signature:
+
+        def shapes(ts: list[torch.Tensor]) -> list[tuple[torch.Size, torch.dtype]]:
+            return [(t.shape, t.dtype) for t in ts]
+
+        if shapes(tensors) != shapes(self._buffers):
             self._buffers = [torch.empty(t.shape, dtype=t.dtype) for t in tensors]
-            self._signature = signature
         pairs = list(zip(self._buffers, tensors, strict=True))
 
         def fill() -> None:

@@ -56,8 +56,6 @@ class Job:
     started: float = field(default_factory=time.monotonic)
     last_merge: float = field(default_factory=time.monotonic)
     last_save: float = field(default_factory=time.monotonic)
-    saved: tuple[int, float] | None = None
-    """(step, seconds save() took) of a save whose copy of the state is still being taken."""
     reported: dict[str, int] = field(default_factory=dict)
     """Byte counters already added to the Prometheus counters."""
 
@@ -387,12 +385,11 @@ def _due(job: Job) -> tuple[bool, bool]:
 
 def staged(job: Job) -> None:
     """Wait (if needed) for the last save's copy of the state, then report what the save
-    cost the loop: the wait in save() plus the wait here."""
-    if job.saved is None:
+    cost the loop."""
+    done = job.ckpt.fence()
+    if done is None:
         return
-    step, save_s = job.saved
-    stall = save_s + job.ckpt.fence()
-    job.saved = None
+    step, stall = done
     job.metrics.checkpointed(stall)
     if job.topo.rank == 0:
         job.emit("checkpoint", step=step, stall_s=stall)
@@ -417,7 +414,7 @@ def train_step(job: Job) -> None:
     job.step += 1
     job.tokens += tokens.numel() - tokens.shape[0]
     if ckpt_due:
-        job.saved = (job.step, job.ckpt.save(job.step, state_dict(job)))
+        job.ckpt.save(job.step, state_dict(job))
         job.last_save = time.monotonic()
     report(
         job,
