@@ -268,14 +268,29 @@ def _monitoring(m: StackModel, source: str) -> None:
             "port; use 1024-65000, or 0 to turn runtime metrics off",
         )
     span = range(mon.metrics_port, mon.metrics_port + most) if mon.metrics_port else range(0)
-    for key in ("node_exporter_port", "dcgm_exporter_port", "prometheus_port", "grafana_port"):
-        if getattr(mon, key) in span:
+    taken: dict[int, str] = {}
+    for key in (
+        "node_exporter_port",
+        "dcgm_exporter_port",
+        "prometheus_port",
+        "alertmanager_port",
+        "grafana_port",
+    ):
+        port = getattr(mon, key)
+        if port in span:
             raise _err(
                 source,
                 f"monitoring.{key}",
-                f"{getattr(mon, key)} collides with the "
+                f"{port} collides with the "
                 f"runtime metrics ports {span.start}-{span.stop - 1}; move one of them",
             )
+        if port in taken:
+            raise _err(
+                source,
+                f"monitoring.{key}",
+                f"{port} is also monitoring.{taken[port]}; give every service its own port",
+            )
+        taken[port] = key
     if mon.bind_address != "private":
         import ipaddress
 
@@ -287,6 +302,54 @@ def _monitoring(m: StackModel, source: str) -> None:
                 "monitoring.bind_address",
                 f"'{mon.bind_address}' is neither 'private' nor an IPv4 address",
             ) from None
+    _alert_receivers(m, source)
+
+
+def _alert_receivers(m: StackModel, source: str) -> None:
+    """Each receiver names exactly one destination; email needs the SMTP relay."""
+    seen: set[str] = set()
+    for i, r in enumerate(m.monitoring.receivers):
+        path = f"monitoring.receivers[{i}]"
+        if r.name in seen or r.name == "null":
+            raise _err(
+                source,
+                f"{path}.name",
+                f"receiver name '{r.name}' is used twice or reserved ('null'); "
+                "give every receiver its own name",
+            )
+        seen.add(r.name)
+        targets = [k for k in ("webhook_url", "slack_url_config", "email") if getattr(r, k)]
+        if len(targets) != 1:
+            raise _err(
+                source,
+                path,
+                f"receiver '{r.name}' sets {targets or 'no destination'}; "
+                "set exactly one of webhook_url, slack_url_config, email",
+            )
+        if r.webhook_token_config and not r.webhook_url:
+            raise _err(
+                source,
+                f"{path}.webhook_token_config",
+                "a webhook token needs webhook_url; set it or drop the token",
+            )
+        if r.webhook_url and not r.webhook_url.startswith(("https://", "http://")):
+            raise _err(
+                source,
+                f"{path}.webhook_url",
+                f"'{r.webhook_url}' is not an http(s) URL",
+            )
+        if r.email and m.monitoring.smtp is None:
+            raise _err(
+                source,
+                f"{path}.email",
+                "email receivers need geotrain:monitoring.smtp (smarthost, sender)",
+            )
+        if not r.severities:
+            raise _err(
+                source,
+                f"{path}.severities",
+                "no severities: the receiver would get nothing; use critical and/or warning",
+            )
 
 
 def _policy(m: StackModel, source: str) -> None:

@@ -202,6 +202,40 @@ class Training(Strict):
     """Gradient bucket size for the hierarchical all-reduce."""
 
 
+Severity = Literal["critical", "warning"]
+SEVERITIES: tuple[Severity, ...] = ("critical", "warning")
+
+
+class AlertReceiver(Strict):
+    """Where Alertmanager sends alerts: set exactly one of webhook_url, slack_url_config, email."""
+
+    name: str = Field(pattern=NAME_PATTERN)
+    """Receiver name, unique in the stack (shown in Alertmanager)."""
+    severities: list[Severity] = Field(default_factory=lambda: list(SEVERITIES))
+    """Alert severities routed to this receiver."""
+    webhook_url: str | None = None
+    """JSON webhook endpoint (Alertmanager's webhook format); no credentials in the URL."""
+    webhook_token_config: str | None = None
+    """Secret config key holding a bearer token for webhook_url (written to a file on the host)."""
+    slack_url_config: str | None = None
+    """Secret config key holding a Slack incoming-webhook URL (the URL is the credential)."""
+    email: str | None = None
+    """Address that receives alerts by email through monitoring.smtp."""
+
+
+class Smtp(Strict):
+    smarthost: str
+    """SMTP relay as host:port."""
+    sender: str
+    """From address of alert emails."""
+    username: str | None = None
+    """SMTP login (none: unauthenticated relay)."""
+    password_config: str = "geotrain:smtpPassword"
+    """Secret config key holding the SMTP password (used when username is set)."""
+    require_tls: bool = True
+    """Require STARTTLS to the relay."""
+
+
 class Monitoring(Strict):
     enabled: bool = True
     """Render and deliver monitoring."""
@@ -210,17 +244,28 @@ class Monitoring(Strict):
     node_exporter_port: int = Field(default=9100, ge=1024, le=65535)
     """node-exporter port on every node."""
     dcgm_exporter_port: int = Field(default=9500, ge=1024, le=65535)
-    """dcgm-exporter port on GPU nodes."""
+    """dcgm-exporter port on GPU nodes (gpu_metrics: dcgm-exporter)."""
+    gpu_metrics: Literal["dcgm-exporter", "runtime"] = "dcgm-exporter"
+    """Source of GPU series for alerts and dashboards: NVIDIA's dcgm-exporter on every GPU
+    node, or the runtime's NVML gauges (each rank its own device; nothing to install)."""
     prometheus_port: int = Field(default=9090, ge=1024, le=65535)
     """Prometheus listen port on the monitoring host."""
+    alertmanager_port: int = Field(default=9093, ge=1024, le=65535)
+    """Alertmanager listen port on the monitoring host."""
     grafana_port: int = Field(default=3000, ge=1024, le=65535)
     """Grafana listen port on the monitoring host."""
+    grafana_admin_password_config: str = "geotrain:grafanaAdminPassword"
+    """Secret config key holding Grafana's admin password (written to a file on the host)."""
     bind_address: str = "private"
     """`private` (overlay/loopback address of the node) or an explicit IPv4 address."""
     scrape_interval_s: int = Field(default=15, ge=1, le=600)
     """Prometheus scrape interval."""
     host: str | None = None
-    """Node running Prometheus and Grafana (default: the first region's gateway)."""
+    """Node running Prometheus, Alertmanager and Grafana (default: the first region's gateway)."""
+    receivers: list[AlertReceiver] = Field(default_factory=list)
+    """Alert receivers; with none, Alertmanager keeps alerts in its UI only."""
+    smtp: Smtp | None = None
+    """SMTP relay for email receivers."""
 
 
 class Policy(Strict):
