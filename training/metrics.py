@@ -1,13 +1,22 @@
 """Prometheus metrics of one rank (prometheus_client), labelled region, node and rank.
 
 Names are in training.metric_names so alert rules and dashboards match them. GPU
-utilisation and memory come from NVML when it is present (DCGM exporter names); process
-CPU and memory always (prometheus_client's process collector).
+utilisation and memory come from NVML when it is present (DCGM exporter names), for this
+rank's own device only, so a sum over ranks counts every GPU once. Process CPU and memory
+always (prometheus_client's process collector).
+
+Two series are derived here rather than pushed by the worker, so alerts can compare like
+with like whatever the sync cadence:
+- the time of the last finished sync (a stall is "too long since", not "no increase in a
+  window" that a 30-minute diloco cadence would trip);
+- the cross-region bytes per second of sync time of the last sync (bursty diloco merges and
+  per-step all-reduces give comparable numbers).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, ProcessCollector
@@ -19,8 +28,27 @@ from training.errors import GeotrainError
 LABELS = ("region", "node", "rank")
 
 
+class _Tap:
+    """A metric child whose writes also feed the derived series (the worker calls only
+    `.inc()` and `.set()`)."""
+
+    def __init__(self, child: Any, on_write: Callable[[float], None]) -> None:
+        self._child = child
+        self._on_write = on_write
+
+    def inc(self, amount: float = 1.0) -> None:
+        self._child.inc(amount)
+        self._on_write(amount)
+
+    def set(self, value: float) -> None:
+        self._child.set(value)
+        self._on_write(value)
+
+
 class RuntimeMetrics:
-    def __init__(self, region: str, node: str, rank: int) -> None:
+    def __init__(self, region: str, node: str, rank: int, gpu: int | None = None) -> None:
+        """`gpu`: NVML index of this rank's device (default: the CUDA device the worker
+        selected, if any); no GPU series without one."""
         self.registry = CollectorRegistry()
         ProcessCollector(registry=self.registry)
         r = self.registry
@@ -39,10 +67,23 @@ class RuntimeMetrics:
         self.loss = g(mn.LOSS, "Training loss of the last step")
         self.tokens_per_s = g(mn.TOKENS_PER_SECOND, "Tokens per second of this rank")
         self.step_s = g(mn.STEP_SECONDS, "Seconds of the last step")
-        self.sync_s = g(mn.SYNC_SECONDS, "Seconds of the last sync")
-        self.syncs = c(mn.SYNCS, "Finished syncs (all-reduce steps or merges)")
+        self.sync_s = _Tap(g(mn.SYNC_SECONDS, "Seconds of the last sync"), self._sync_time)
+        self.syncs = _Tap(c(mn.SYNCS, "Finished syncs (all-reduce steps or merges)"), self._synced)
+        self.last_sync = g(
+            mn.LAST_SYNC, "Unix time of the last finished sync (process start until the first)"
+        )
+        self.last_sync.set(time.time())  # a fresh process gets the full stall window
+        self._throughput = Gauge(
+            mn.SYNC_THROUGHPUT,
+            "Cross-region wire bytes per second of sync time, of the last sync",
+            LABELS,
+            registry=r,
+        )  # no child until the first sync: absent rather than a misleading 0
+        self._pending = [0.0, 0.0]  # wire bytes, sync seconds since the last finished sync
         self.cross_raw = c(mn.CROSS_RAW_BYTES, "fp32 bytes the cross-region payloads stand for")
-        self.cross_wire = c(mn.CROSS_WIRE_BYTES, "Encoded bytes sent across regions")
+        self.cross_wire = _Tap(
+            c(mn.CROSS_WIRE_BYTES, "Encoded bytes sent across regions"), self._wire
+        )
         self.intra = c(mn.INTRA_BYTES, "Bytes sent inside the region")
         self.link = Counter(
             mn.LINK_BYTES.removesuffix("_total"),
@@ -51,13 +92,19 @@ class RuntimeMetrics:
             registry=r,
         )
         self.ratio = g(mn.COMPRESSION_RATIO, "Cross-region raw / wire bytes")
-        self.ckpt_age = g(mn.CHECKPOINT_AGE, "Seconds since the newest committed checkpoint")
+        self.ckpt_age = g(
+            mn.CHECKPOINT_AGE,
+            "Seconds since this process's newest checkpoint (or since it started)",
+        )
+        self.ckpt_age.set_function(self._checkpoint_age)  # computed at scrape: a hang ages
         self.ckpt_s = g(mn.CHECKPOINT_SECONDS, "Seconds of the last checkpoint save")
         self.restarts = c(mn.RESTARTS, "Restarts of this rank (resumes from a checkpoint)")
         self.merges = c(mn.MERGES, "Periodic global merges (diloco)")
         self.rejected = c(mn.REJECTED, "Cross-region payloads that failed verification")
-        self._gpu = _nvml_gauges(r, self._labels)
+        self._started = time.monotonic()
         self._last_ckpt: float | None = None
+        self.gpu = _own_device() if gpu is None else gpu
+        self.has_gpu_series = self.gpu is not None and _nvml_gauges(r, self._labels, self.gpu)
 
     def link_bytes(self, peer_region: str, n: int) -> None:
         if n:
@@ -79,27 +126,68 @@ class RuntimeMetrics:
         self.ckpt_s.set(seconds)
 
     def tick(self) -> None:
-        """Refresh gauges that are read rather than pushed."""
-        if self._last_ckpt is not None:
-            self.ckpt_age.set(time.monotonic() - self._last_ckpt)
-        if self._gpu:
-            self._gpu()
+        """Called once per step. Gauges that are read rather than pushed (checkpoint age,
+        GPU) are computed at scrape time, so nothing is left to refresh here."""
+
+    def _checkpoint_age(self) -> float:
+        return time.monotonic() - (self._last_ckpt or self._started)
+
+    def _wire(self, n: float) -> None:
+        self._pending[0] += n
+
+    def _sync_time(self, seconds: float) -> None:
+        self._pending[1] += seconds
+
+    def _synced(self, _: float) -> None:
+        """One sync finished: its bytes over its seconds, then start the next tally."""
+        self.last_sync.set(time.time())
+        wire, seconds = self._pending
+        if wire > 0 and seconds > 0:
+            self._throughput.labels(**self._labels).set(wire / seconds)
+        self._pending = [0.0, 0.0]
 
 
-def _nvml_gauges(registry: CollectorRegistry, labels: dict[str, str]) -> Any:
+def _own_device() -> int | None:
+    """The CUDA device the worker selected with torch.cuda.set_device, when CUDA is in use.
+    torch's index equals NVML's when CUDA_VISIBLE_DEVICES is unset and the node's GPUs are
+    of one model (CUDA orders equal devices by PCI bus, like NVML)."""
+    try:
+        import torch
+    except ImportError:  # pragma: no cover (torch is a dependency)
+        return None
+    if not torch.cuda.is_initialized():  # a CPU worker must not create a CUDA context
+        return None
+    return int(torch.cuda.current_device())
+
+
+def _nvml_gauges(registry: CollectorRegistry, labels: dict[str, str], gpu: int) -> bool:
+    """Utilisation and framebuffer of device `gpu`, read from NVML at scrape time."""
     try:
         import pynvml
 
         pynvml.nvmlInit()
-    except Exception:  # no NVML (CPU hosts): GPU gauges are simply absent
-        return None
+        handle = pynvml.nvmlDeviceGetHandleByIndex(gpu)
+    except Exception:  # no NVML (CPU hosts) or no such device: GPU gauges are absent
+        return False
     util = Gauge(mn.GPU_UTIL, "GPU utilisation %", (*LABELS, "gpu"), registry=registry)
     mem = Gauge(mn.GPU_MEM_USED, "GPU framebuffer used MiB", (*LABELS, "gpu"), registry=registry)
+    util.labels(**labels, gpu=str(gpu)).set_function(
+        _safe(lambda: float(pynvml.nvmlDeviceGetUtilizationRates(handle).gpu))
+    )
+    mem.labels(**labels, gpu=str(gpu)).set_function(
+        _safe(lambda: pynvml.nvmlDeviceGetMemoryInfo(handle).used / 2**20)
+    )
+    return True
 
-    def refresh() -> None:
-        for i in range(pynvml.nvmlDeviceGetCount()):
-            h = pynvml.nvmlDeviceGetHandleByIndex(i)
-            util.labels(**labels, gpu=str(i)).set(pynvml.nvmlDeviceGetUtilizationRates(h).gpu)
-            mem.labels(**labels, gpu=str(i)).set(pynvml.nvmlDeviceGetMemoryInfo(h).used / 2**20)
 
-    return refresh
+def _safe(read: Callable[[], float]) -> Callable[[], float]:
+    """An NVML error (device lost, driver reset) is NaN for that sample, never a failed
+    scrape of every other series."""
+
+    def value() -> float:
+        try:
+            return read()
+        except Exception:
+            return float("nan")
+
+    return value
