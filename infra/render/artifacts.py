@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from infra.plan import Plan
-from infra.render.monitoring import render_alert_rules, render_dashboard, render_prometheus
+from infra.render.monitoring import monitoring_files
 from infra.render.network import frr_daemons, render_frr, render_sysctl, render_wireguard
 from infra.render.runtime import render_k8s, render_launch_spec, render_worker_unit
 
@@ -53,9 +53,7 @@ def render_all(plan: Plan, pubkeys: Mapping[str, str] | None = None) -> list[Art
             docs = render_k8s(plan, r, spec_json)
             out.append(Artifact(f"kubernetes/{r.name}.json", json.dumps(docs, indent=2) + "\n"))
     if plan.model.monitoring.enabled:
-        out += [
-            Artifact("monitoring/prometheus.yml", render_prometheus(plan)),
-            Artifact("monitoring/rules/geotrain.rules.yml", render_alert_rules(plan)),
-            Artifact("monitoring/grafana/geotrain-dashboard.json", render_dashboard(plan)),
-        ]
+        # Prometheus, its rules and their promtool tests, Alertmanager and Grafana on the
+        # monitoring host; exporter settings on ssh nodes (host paths: monitoring_files)
+        out += [Artifact(f.artifact, f.content, f.node) for f in monitoring_files(plan)]
     return out
