@@ -1,5 +1,6 @@
-"""Monitoring for single-machine runs: a real Prometheus on the rendered config (local:
-this machine; lab: inside the monitoring host's namespace), and `geotrain top`'s reader."""
+"""Monitoring for single-machine runs: a real Prometheus (and Alertmanager, when installed)
+on the rendered config (local: this machine; lab: inside the monitoring host's namespace),
+and `geotrain top`'s reader."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from infra.plan import Plan
-from infra.render import render_alert_rules, render_prometheus
+from infra.render import render_alert_rules, render_alertmanager, render_prometheus
 from infra.render.monitoring import RULES_FILE
 from training import metric_names as mn
 from training.spec import metrics_port
@@ -30,13 +31,19 @@ INSTALL_HINT = (
 class PrometheusProcess:
     proc: subprocess.Popen[bytes]
     url: str
+    alertmanager: subprocess.Popen[bytes] | None = None
+    """Alertmanager on the rendered config, when it is installed (alerts in its UI)."""
+    alertmanager_url: str | None = None
 
     def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
+        for p in (self.proc, self.alertmanager):
+            if p is None:
+                continue
+            p.terminate()
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
 
 
 def start_prometheus(
@@ -65,13 +72,37 @@ def start_prometheus(
         f"--storage.tsdb.path={conf_dir / 'data'}",
         f"--web.listen-address={host}:{port}",
     ]
+    proc = _spawn(plan, cmd, conf_dir / "prometheus.log")
+    am = _start_alertmanager(plan, conf_dir)
+    am_url = f"http://{host}:{mon.alertmanager_port}" if am else None
+    return PrometheusProcess(proc, f"http://{host}:{port}", am, am_url)
+
+
+def _start_alertmanager(plan: Plan, conf_dir: Path) -> subprocess.Popen[bytes] | None:
+    """Debian names the binary prometheus-alertmanager, upstream alertmanager."""
+    binary = shutil.which("prometheus-alertmanager") or shutil.which("alertmanager")
+    if binary is None:
+        return None
+    (conf_dir / "alertmanager.yml").write_text(render_alertmanager(plan))
+    addr = f"{plan.monitoring_host.private_ip}:{plan.model.monitoring.alertmanager_port}"
+    cmd = [
+        binary,
+        f"--config.file={conf_dir / 'alertmanager.yml'}",
+        f"--storage.path={conf_dir / 'alertmanager'}",
+        f"--web.listen-address={addr}",
+        "--cluster.listen-address=",  # one instance: no gossip port
+    ]
+    return _spawn(plan, cmd, conf_dir / "alertmanager.log")
+
+
+def _spawn(plan: Plan, cmd: list[str], log_path: Path) -> subprocess.Popen[bytes]:
     netns = plan.monitoring_host.netns
     if netns:
         cmd = ["ip", "netns", "exec", netns, *cmd]
-    log = open(conf_dir / "prometheus.log", "ab")  # noqa: SIM115 (owned by the process)
+    log = open(log_path, "ab")  # noqa: SIM115 (owned by the process)
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     log.close()
-    return PrometheusProcess(proc, f"http://{host}:{port}")
+    return proc
 
 
 @dataclass
