@@ -8,6 +8,15 @@ training never imports them.
 
 from __future__ import annotations
 
+import reprlib
+
+MAX_ERROR_CHARS = 283
+"""Longest `str()` of a ConfigError. The CLI adds `geotrain: error: ` (17 characters), so
+an error line stays within 300 characters whatever the stack file echoes into it."""
+_PART_CHARS = 80
+"""Share of MAX_ERROR_CHARS the file name and the key path may each take; the rest is the
+message, which carries the fix."""
+
 
 class GeotrainError(Exception):
     """Base of all expected, user-facing failures."""
@@ -22,10 +31,55 @@ class ConfigError(GeotrainError):
     """
 
     def __init__(self, source: str, path: str, message: str) -> None:
-        self.source = source
-        self.path = path
-        self.message = message
-        super().__init__(f"{source}: {path}: {message}")
+        self.source = clip(source, _PART_CHARS)
+        self.path = clip(path, _PART_CHARS)
+        self.message = clip(message, MAX_ERROR_CHARS - len(self.source) - len(self.path) - 4)
+        super().__init__(f"{self.source}: {self.path}: {self.message}")
+
+
+def clip(text: str, limit: int) -> str:
+    """`text` as one printable line of at most `limit` characters.
+
+    Line breaks and other unprintable characters are escaped (`\\n`, `\\x00`, `\\u202e`).
+    A longer text keeps its head and tail around ` … `: the echoed value usually sits in
+    the middle of a message and the fix at its end.
+    """
+    if len(text) > 4 * limit:  # bound the escaping work; the cut below still applies
+        text = text[: 2 * limit] + text[-2 * limit :]
+    if not text.isprintable():
+        text = "".join(c if c.isprintable() else _escape(c) for c in text)
+    if len(text) <= limit:
+        return text
+    tail = (limit - 3) * 2 // 5
+    return text[: limit - 3 - tail] + " … " + text[len(text) - tail :]
+
+
+def _escape(c: str) -> str:
+    return c.encode("unicode_escape").decode("ascii")
+
+
+class _ShortRepr(reprlib.Repr):
+    """reprlib bounded for values from a stack file: a few items, a few levels, and no
+    `str()` of a huge int (which raises past 4300 digits)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.maxlevel = 3
+        self.maxstring = self.maxother = self.maxlong = 40
+        self.maxlist = self.maxtuple = self.maxdict = self.maxset = self.maxfrozenset = 4
+
+    def repr_int(self, x: int, level: int) -> str:
+        if x.bit_length() > 128:
+            return f"<an integer of {x.bit_length()} bits>"
+        return super().repr_int(x, level)
+
+
+_SHORT_REPR = _ShortRepr()
+
+
+def short_repr(value: object) -> str:
+    """repr() of a value from a stack file, short enough to echo in an error message."""
+    return clip(_SHORT_REPR.repr(value), 60)
 
 
 class SpecError(GeotrainError):
