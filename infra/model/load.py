@@ -10,12 +10,12 @@ import typing
 from pathlib import Path
 from typing import Any
 
-import yaml
 from pydantic import BaseModel, ValidationError
 
 from infra.model.checks import check_model
 from infra.model.schema import StackModel
-from training.errors import ConfigError
+from infra.model.yaml_safe import read_yaml
+from training.errors import ConfigError, short_repr
 
 PREFIX = "geotrain:"
 TOP_KEYS = ("regions", "network", "training", "monitoring", "policy", "tags")
@@ -40,24 +40,66 @@ def load_stack(stack: str, stacks_dir: Path = STACKS_DIR) -> StackModel:
     """Read, parse and validate a stack file; raises ConfigError with file and key path."""
     path = stack_file(stack, stacks_dir)
     source = _display(path)
-    if not path.is_file():
-        names = ", ".join(available_stacks(stacks_dir)) or "none"
-        raise ConfigError(source, "-", f"no such stack file; available stacks: {names}")
-    try:
-        doc = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "-"
-        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-        raise ConfigError(source, where, f"invalid YAML: {problem}; fix the syntax") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(source, "-", f"cannot read the file: {e}") from None
-    if not isinstance(doc, dict) or not isinstance(doc.get("config"), dict):
-        raise ConfigError(source, "config", "the file must be a mapping with a 'config:' mapping")
+    _check_is_file(stack, path, source, stacks_dir)
+    doc = read_yaml(path, source)
+    config = _config_mapping(doc, source)
     name = (
         path.name[len("Pulumi.") : -len(".yaml")] if path.name.startswith("Pulumi.") else path.stem
     )
-    return model_from_config(doc["config"], name, source)
+    return model_from_config(config, name, source)
+
+
+def _check_is_file(stack: str, path: Path, source: str, stacks_dir: Path) -> None:
+    """Raise unless `path` is a regular file: say whether it is missing, a directory (the
+    stack path itself, or a name that is a folder) or something else (a FIFO, a device)."""
+    given = Path(stack)
+    try:
+        if path.is_file():
+            return
+        folder = path if path.is_dir() else given if given.is_dir() else None
+        exists = path.exists()
+    except OSError as e:  # a name too long for the file system, a symlink loop, ...
+        raise ConfigError(source, "-", f"cannot read the file: {e.strerror or e}") from None
+    names = ", ".join(available_stacks(stacks_dir)) or "none"
+    if folder is not None:
+        inside = ", ".join(available_stacks(folder)[:3])
+        hint = f" (it holds {inside})" if inside else ""
+        raise ConfigError(
+            _display(folder),
+            "-",
+            f"is a directory, not a stack file{hint}; give a stack name ({names}) "
+            "or the path of a Pulumi.<stack>.yaml file",
+        )
+    if exists:
+        raise ConfigError(
+            source, "-", "not a regular file; give a stack file (Pulumi.<stack>.yaml)"
+        )
+    raise ConfigError(source, "-", f"no such stack file; available stacks: {names}")
+
+
+def _config_mapping(doc: Any, source: str) -> dict[str, Any]:
+    """The `config:` mapping of a parsed stack file, or a ConfigError saying what is there."""
+    fix = "a stack file is a mapping with a 'config:' mapping of geotrain:* keys"
+    if doc is None:
+        raise ConfigError(source, "-", f"the file is empty (or only comments); {fix}")
+    if not isinstance(doc, dict):
+        raise ConfigError(source, "-", f"the top level is {_kind(doc)}, not a mapping; {fix}")
+    if "config" not in doc:
+        keys = short_repr(sorted(map(str, doc)))
+        raise ConfigError(source, "config", f"no 'config:' key (keys here: {keys}); {fix}")
+    config = doc["config"]
+    if config is None:
+        raise ConfigError(source, "config", f"'config:' is empty; {fix}")
+    if not isinstance(config, dict):
+        raise ConfigError(source, "config", f"'config:' holds {_kind(config)}; {fix}")
+    return config
+
+
+def _kind(value: Any) -> str:
+    """'a list', 'a string', 'an integer', ... for messages."""
+    names = {list: "list", str: "string", int: "integer", float: "number", bool: "boolean"}
+    name = names.get(type(value), type(value).__name__)
+    return ("an " if name[0] in "aeiou" else "a ") + name
 
 
 def model_from_config(config: dict[str, Any], stack: str, source: str) -> StackModel:
@@ -99,11 +141,11 @@ def _config_error(e: ValidationError, source: str) -> ConfigError:
     kind = err["type"]
     if kind == "extra_forbidden":
         allowed = sorted(_model_at(StackModel, loc[:-1]).model_fields)
-        msg = f"unknown key '{loc[-1]}'; allowed keys here: {', '.join(allowed)}"
+        msg = f"unknown key {short_repr(loc[-1])}; allowed keys here: {', '.join(allowed)}"
     elif kind == "missing":
         msg = "required key is missing; add it"
     else:
-        msg = f"{err['msg']} (got {err.get('input')!r})"
+        msg = f"{err['msg']} (got {short_repr(err.get('input'))})"
     return ConfigError(source, path, msg)
 
 
@@ -135,5 +177,5 @@ def _model_at(model: type[BaseModel], loc: tuple[Any, ...]) -> type[BaseModel]:
 def _display(path: Path) -> str:
     try:
         return str(path.resolve().relative_to(Path.cwd()))
-    except ValueError:
+    except (ValueError, OSError, RuntimeError):  # outside cwd, cwd gone, a symlink loop
         return str(path)
