@@ -14,8 +14,6 @@ import math
 from pathlib import Path
 from typing import Any
 
-from training.report import flat_ring_cross_bytes
-
 INSTALL_HINT = "run plot skipped: matplotlib is missing; pip install 'geotrain[plot]'"
 BLOCKS = "▁▂▃▄▅▆▇█"
 
@@ -144,6 +142,8 @@ def _bytes_panel(ax: Any, events: list[dict[str, Any]], d: dict[str, Any]) -> No
         [v / mb for v in _cumsum(d["raw"])],
         label=f"same payloads in fp32 (mean {sum(d['raw']) / n / mb:.2f} MB/step)",
     )
+    from training.report import flat_ring_cross_bytes  # here: report may import this module
+
     start = next((e for e in events if e.get("event") == "start"), None)
     if start is not None:
         flat = flat_ring_cross_bytes(start["params"], start["world"], start["regions"])
