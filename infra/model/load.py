@@ -6,7 +6,9 @@ config; everything else receives a validated `StackModel`.
 
 from __future__ import annotations
 
+import math
 import typing
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -125,8 +127,37 @@ def validate(raw: dict[str, Any], source: str) -> StackModel:
         model = StackModel.model_validate(raw)
     except ValidationError as e:
         raise _config_error(e, source) from None
+    _check_numbers(model, source)
     check_model(model, source)
     return model
+
+
+def _check_numbers(model: StackModel, source: str) -> None:
+    """Every number is finite and fits in 64 bits, before any check does arithmetic on it.
+
+    YAML reads `.inf`, `.nan` and integers of any size. Pydantic's float fields take inf
+    and nan (inf even passes `gt=0`) and unbounded int fields (seed, steps) take 16**20000;
+    downstream they break integer seconds, JSON, torch seeds and even f-strings (str() of
+    an int past 4300 digits raises).
+    """
+    for loc, value in _numbers(model.model_dump(exclude={"stack"}), ()):
+        if isinstance(value, float) and not math.isfinite(value):
+            fix = "use a finite number (YAML's .inf and .nan are not allowed here)"
+            raise ConfigError(source, key_path(loc), f"{value} is not a finite number; {fix}")
+        if isinstance(value, int) and not -(2**63) <= value < 2**63:
+            msg = f"{short_repr(value)} does not fit in 64 bits; use a smaller number"
+            raise ConfigError(source, key_path(loc), msg)
+
+
+def _numbers(value: Any, loc: tuple[Any, ...]) -> Iterator[tuple[tuple[Any, ...], Any]]:
+    if isinstance(value, (int, float)):
+        yield loc, value
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            yield from _numbers(v, (*loc, k))
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            yield from _numbers(v, (*loc, i))
 
 
 def _secret_keys(config: dict[str, Any]) -> set[str]:

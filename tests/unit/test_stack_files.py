@@ -293,6 +293,17 @@ MALFORMED = [
     ("bad-date", LOCAL.replace("steps: 40", "steps: 2024-13-45"), "month must be in 1..12"),
     ("nan", LOCAL.replace("lr: 0.003", "lr: .nan"), "training.lr: Input should be greater"),
     ("inf", LOCAL.replace("latency_ms: 60", "latency_ms: .inf"), "links[0].latency_ms: Input"),
+    ("inf-lr", LOCAL.replace("lr: 0.003", "lr: .inf"), "training.lr: inf is not a finite number"),
+    (
+        "huge-seed",
+        LOCAL.replace("steps: 40", "steps: 40\n    seed: 0x" + "f" * 20_000),
+        "training.seed: <an integer of 80000 bits> does not fit in 64 bits",
+    ),
+    (
+        "nan-in-a-float-without-bounds",
+        LOCAL.replace("sync: allreduce", "sync: diloco\n    diloco: {interval_minutes: .nan}"),
+        "training.diloco.interval_minutes: nan is not a finite number",
+    ),
     (
         "unicode-name",
         LOCAL.replace("name: beijing", "name: 北京"),
