@@ -6,13 +6,16 @@ duplicated, renamed, retyped; values and list sizes set at random), random YAML 
 random bytes. The CLI runs in-process (CliRunner) for speed; the worst cases (alias bomb,
 files over the size cap) run as real processes in test_stack_files.py.
 
-The example budget is fixed and derandomized, so CI runs the same inputs every time.
+The example budget is fixed and derandomized, so CI runs the same inputs every time;
+GEOTRAIN_FUZZ_EXAMPLES=5000 explores further with random inputs.
 """
 
 from __future__ import annotations
 
 import copy
+import os
 import tempfile
+import typing
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
@@ -23,19 +26,23 @@ import yaml
 from click.testing import CliRunner
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from pydantic import BaseModel
 
 from geotrain.cli import cli
 from geotrain.commands import register  # noqa: F401  (registers the other commands)
+from infra.model.schema import StackModel
 from training.errors import MAX_ERROR_CHARS, ConfigError
 
 STACKS = Path(__file__).resolve().parents[2] / "stacks"
 BASES = ("local", "lab", "global")
 PREFIX = "geotrain: error: "
 LINE_LIMIT = len(PREFIX) + MAX_ERROR_CHARS
+DEEP = os.environ.get("GEOTRAIN_FUZZ_EXAMPLES")
+"""Set (e.g. 5000) for a longer, random exploration; CI runs the fixed, derandomized 150."""
 FUZZ = settings(
-    max_examples=150,
+    max_examples=int(DEEP or 150),
     deadline=timedelta(seconds=5),  # the promise: an answer within 5 s, for any input
-    derandomize=True,
+    derandomize=DEEP is None,
     database=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
@@ -93,6 +100,19 @@ VALUES = st.recursive(
 )
 
 
+def _fields(model: type[BaseModel]) -> set[str]:
+    out = set(model.model_fields)
+    for f in model.model_fields.values():
+        for t in (f.annotation, *typing.get_args(f.annotation)):
+            if isinstance(t, type) and issubclass(t, BaseModel):
+                out |= _fields(t)
+    return out
+
+
+FIELDS = sorted(_fields(StackModel))
+"""Every key name of the stack model, for adding keys the shipped stacks do not set."""
+
+
 def dump(doc: Any, allow_unicode: bool = False) -> str:
     text = yaml.safe_dump(doc, sort_keys=False, allow_unicode=allow_unicode, width=1 << 30)
     for token, value in HUGE.items():
@@ -119,9 +139,11 @@ def mutate(config: dict[str, Any], data: st.DataObject) -> None:
     """One random edit of the config mapping, in place."""
     path = data.draw(st.sampled_from(list(paths(config))))
     parent, key = parent_of(config, path), path[-1]
-    op = data.draw(st.sampled_from(["drop", "retype", "rename", "resize", "copy"]))
+    op = data.draw(st.sampled_from(["drop", "retype", "rename", "resize", "copy", "add"]))
     if op == "drop":
         del parent[key]
+    elif op == "add" and isinstance(parent, dict):  # a key the shipped stacks leave default
+        parent[data.draw(st.sampled_from(FIELDS))] = data.draw(VALUES)
     elif op == "retype":
         parent[key] = data.draw(VALUES)
     elif op == "rename" and isinstance(parent, dict):
