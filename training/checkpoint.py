@@ -1,28 +1,47 @@
-"""Checkpoints with torch.distributed.checkpoint (DCP), committed and verified.
+"""Checkpoints with torch.distributed.checkpoint (DCP), per node, committed and verified.
 
-Layout: <root>/step-<N>/ holds DCP's files, then `manifest.json` (SHA-256 of every file,
-the run id and step, HMAC-SHA256 under a key derived from the run key), then `COMMITTED`
-(written last, by atomic rename). A directory without a valid marker is torn and never
-loaded. DCP's metadata is a pickle: nothing is handed to DCP before the manifest verifies.
+Layout: <root>/step-<N>/<node>/ holds DCP's files for that node's ranks, then
+`manifest.json` (SHA-256 of every file, the run id, step and node, HMAC-SHA256 under a key
+derived from the run key), then `COMMITTED` (written last, by atomic rename). A directory
+without a valid marker is torn and never loaded. DCP's metadata is a pickle: nothing is
+handed to DCP before the manifest verifies.
+
+Each node saves and loads over its own gloo group (`node_group`). The group's rank 0 (the
+node's local rank 0, its *leader*) is DCP's coordinator and writes the manifest and the
+marker, so a value replicated across ranks is stored once per node, and a node never reads
+another node's files: nodes may share a filesystem (the local stack) or not (SSH hosts,
+where `root` is node-local; it may contain `{node}` and `{region}`, see `node_root`).
+
+Resume (`latest`, a collective): each leader lists the steps its node committed; every
+rank takes the newest step that every node committed and whose files verify on every node.
+A node's directory that is skipped (torn, corrupt, forged, of another run, or of a step
+some node lacks) is never left in place, where it would block the save of that step when
+training reaches it again. Its node's leader, and only it, deletes it when it holds
+nothing of use (a torn save; a step whose save was cut short on another node) and else
+moves it to <root>/quarantine/step-N-<node>-<reason>-<time>/ with a REASON file.
+Pruning to `keep` runs on every node by its leader, and only once every node has committed
+the new step, so the newest common step always survives; a step-N/ directory
+goes when its last node directory does.
 
 Saves are asynchronous. `save` only deep-copies the state's plain values and hands its
 tensors to a writer thread, which first copies them into CPU buffers kept from the
 previous save (a `Snapshot`: no allocation), then runs DCP (its planning is a collective
-on a dedicated gloo group, where ranks wait for each other) and the writes. The training
+on the node's group, where its ranks wait for each other) and the writes. The training
 loop calls `fence` before it next changes any state tensor (the gradient sync, the
 optimizer step), so the copy overlaps the next forward and backward pass; the loop waits
-only if the copy is not done by then. Rank 0 commits when every rank's write is done and
-then prunes to `keep` committed checkpoints. Never overwrites a committed step.
+only if the copy is not done by then. Never overwrites a committed step.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import copy
 import hashlib
 import hmac
 import json
 import os
+import re
 import shutil
 import threading
 import time
@@ -46,10 +65,43 @@ WRITE_ERRORS = (OSError, RuntimeError, CheckpointException)
 MARKER = "COMMITTED"
 MANIFEST = "manifest.json"
 PREFIX = "step-"
+QUARANTINE = "quarantine"
+REASON = "REASON"
+PLACEHOLDERS = ("{stack}", "{node}", "{region}")
+"""What a checkpoint dir may contain; the worker fills them in (`node_root`)."""
 
 
 def step_of(path: Path) -> int:
-    return int(path.name[len(PREFIX) :])
+    """The step of `<root>/step-N` or of a node directory `<root>/step-N/<node>`."""
+    name = path.name if path.name.startswith(PREFIX) else path.parent.name
+    return int(name[len(PREFIX) :])
+
+
+def node_root(template: str, stack: str, node: str, region: str) -> Path:
+    """A node's checkpoint root: `template` with {stack}, {node} and {region} filled in.
+    With {node} (or {region}) every node gets its own root, as on hosts without a shared
+    filesystem; without, nodes share one root and keep apart by their node directories."""
+    return Path(
+        template.replace("{stack}", stack).replace("{node}", node).replace("{region}", region)
+    )
+
+
+def node_group(ranks_by_node: list[list[int]]) -> Any:
+    """This rank's node group (gloo), for DCP. Every rank must call this with the same
+    lists in the same order: each creates every node's group (a c10d rule)."""
+    group, _ = dist.new_subgroups_by_enumeration(ranks_by_node, backend="gloo")
+    return group
+
+
+@dataclass(frozen=True)
+class Fallback:
+    """A node directory that resume did not use, and what became of it."""
+
+    step: int
+    node: str
+    reason: str
+    moved_to: str | None
+    """Its quarantine directory; None when it was deleted (a torn save holds nothing)."""
 
 
 def _digest_files(d: Path) -> dict[str, str]:
@@ -69,21 +121,34 @@ def _write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def _slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")[:40] or "unusable"
+
+
 @dataclass
 class Checkpointer:
     root: Path
+    """This node's checkpoint root (placeholders already filled in)."""
+    node: str
+    """This node's name: its directory in every step-N/."""
     run_id: str
     run_key: bytes
     keep: int
-    rank: int
     group: Any = None
-    """Process group for DCP's collectives (a dedicated gloo group)."""
+    """The node's gloo group, for DCP (None: the default group is the only node)."""
+    world: Any = None
+    """A gloo group of every rank, dedicated to checkpoints (agreeing on the resume step,
+    confirming commits from the writer thread); None when this node is the whole world."""
+    on_commit: Callable[[int], None] | None = None
+    """Called on the leader's writer thread once its node's step is committed."""
     pending: concurrent.futures.Future[Any] | None = None
     pending_dir: Path | None = None
-    log: list[str] = field(default_factory=list)
-    """Human-readable notes (torn checkpoints skipped, ...), for the launcher's report."""
+    fallbacks: list[Fallback] = field(default_factory=list)
+    """What the last `latest()` skipped, on every node, with reasons (same on every rank)."""
 
     def __post_init__(self) -> None:
+        # DCP's coordinator is rank 0 of its group: that rank commits the node's directory
+        self.leader = dist.get_rank(self.group) == 0
         # the state's structure never changes between saves: plan once, reuse
         self._planner = DefaultSavePlanner(enable_plan_caching=True)
         self._snapshot = Snapshot()
@@ -91,10 +156,10 @@ class Checkpointer:
         """(copy taken, step, seconds save() took) of the save the loop has not fenced."""
         self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ckpt")
         self._mac_key = derive_key(self.run_key, "checkpoint-manifest", 32)
-        if self.rank == 0:
+        if self.leader:
             try:
                 self.root.mkdir(parents=True, exist_ok=True)
-                probe = self.root / ".write-probe"
+                probe = self.root / f".write-probe-{self.node}"
                 probe.write_text("ok")
                 probe.unlink()
             except OSError as e:
@@ -104,17 +169,24 @@ class Checkpointer:
                     "geotrain:training.checkpoint.dir"
                 ) from None
 
+    def dir_of(self, step: int) -> Path:
+        """This node's directory of `step`."""
+        return self.root / f"{PREFIX}{step}" / self.node
+
     # -- save ---------------------------------------------------------------------------
     def save(self, step: int, state: dict[str, Any]) -> None:
         """Start an async save of `state` at `step`. Its tensors must not change until
         `fence()` returns."""
         t0 = time.perf_counter()
         self.wait()
-        d = self.root / f"{PREFIX}{step}"
+        d = self.dir_of(step)
         if (d / MARKER).exists():
-            raise CheckpointError(f"{d} is already committed; refusing to overwrite it")
-        # no barrier: torn attempts were removed at startup (remove_torn), so every rank
-        # can create the directory itself; DCP's planning is the only synchronisation
+            raise CheckpointError(
+                f"{d} is already committed and resume did not move it aside; "
+                "move it out of the checkpoint dir and restart"
+            )
+        # no barrier: torn attempts were removed at resume (latest), so every rank can
+        # create the directory itself; DCP's planning is the only synchronisation
         d.mkdir(parents=True, exist_ok=True)
         snap, fill = self._snapshot.stage(state)
         copied = threading.Event()
@@ -143,33 +215,42 @@ class Checkpointer:
         staged: threading.Event,
     ) -> None:
         """On the writer thread: copy the state, DCP's collective planning and the file
-        writes, then (rank 0, after every rank's write is done) manifest and marker."""
+        writes, then (the leader, after every rank of the node is done) manifest and
+        marker; then, once every node has committed, prune."""
         try:
             fill()
         finally:
             staged.set()  # an error surfaces from wait(); the fence must not hang
-        dcp.save(snap, checkpoint_id=str(d), process_group=self.group, planner=self._planner)
-        if self.rank == 0:
-            self._commit(d, step)
+        failed: BaseException | None = None
+        try:
+            dcp.save(snap, checkpoint_id=str(d), process_group=self.group, planner=self._planner)
+            if self.leader:
+                self._commit(d, step)
+        except WRITE_ERRORS as e:
+            failed = e  # still join the confirmation below, or the other nodes would hang
+        # every rank, every save, in order: the step counts as committed everywhere only
+        # when every rank says so; pruning earlier could delete the newest common step
+        if self._everywhere(step if failed is None else -1) == step and self.leader:
+            self._prune()
+        if failed is not None:
+            raise failed
+        if self.leader and self.on_commit:
+            self.on_commit(step)
 
-    def remove_torn(self) -> list[str]:
-        """Rank 0, at startup: delete step directories without a commit marker (a save that
-        died), so a later save of the same step starts clean. Returns what went."""
-        gone = []
-        if self.rank == 0:
-            for p in self._dirs():
-                if not (p / MARKER).exists():
-                    shutil.rmtree(p, ignore_errors=True)
-                    gone.append(p.name)
-        dist.barrier(group=self.group)
-        return gone
+    def _everywhere(self, value: int) -> int:
+        """The minimum of `value` over every rank (on `world`)."""
+        if self.world is None:
+            return value
+        t = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.world)
+        return int(t.item())
 
     def saving(self) -> bool:
         """Whether a save is still being written in the background."""
         return self.pending is not None and not self.pending.done()
 
     def wait(self) -> None:
-        """Block until the in-flight save (and its commit on rank 0) is done."""
+        """Block until the in-flight save (and its commit) is done."""
         if self.pending is not None:
             self._staged = None
             fut, self.pending = self.pending, None
@@ -179,8 +260,8 @@ class Checkpointer:
                 raise self._write_error(self.pending_dir or self.root, e) from None
 
     def _write_error(self, where: Path, e: BaseException) -> CheckpointError:
-        if self.rank == 0 and where.name.startswith(PREFIX) and not (where / MARKER).exists():
-            shutil.rmtree(where, ignore_errors=True)  # the torn attempt only wastes space
+        if self.leader and where.parent.name.startswith(PREFIX) and not (where / MARKER).exists():
+            self._remove(where)  # the torn attempt only wastes space
         free = shutil.disk_usage(self.root).free if self.root.exists() else 0
         first = (str(e).strip().splitlines() or [type(e).__name__])[-1][:200]
         full = " (disk full)" if free < 1 << 20 else ""
@@ -192,71 +273,173 @@ class Checkpointer:
 
     def _commit(self, d: Path, step: int) -> None:
         files = _digest_files(d)
-        body = {"run_id": self.run_id, "step": step, "files": files}
+        body = {"run_id": self.run_id, "step": step, "node": self.node, "files": files}
         canon = json.dumps(body, sort_keys=True).encode()
         body["hmac"] = hmac.new(self._mac_key, canon, hashlib.sha256).hexdigest()
         _write_atomic(d / MANIFEST, json.dumps(body, indent=1, sort_keys=True))
         _write_atomic(d / MARKER, hashlib.sha256(canon).hexdigest() + "\n")
-        self._prune()
 
     def _prune(self) -> None:
-        committed = sorted((p for p in self._dirs() if (p / MARKER).exists()), key=step_of)
+        committed = self._committed()
         for old in committed[: max(0, len(committed) - self.keep)]:
-            shutil.rmtree(old, ignore_errors=True)
+            self._remove(self.dir_of(old))
 
-    # -- load ---------------------------------------------------------------------------
-    def _dirs(self) -> list[Path]:
+    def _remove(self, d: Path) -> None:
+        """Delete node directory `d`, and its step directory once no node's is left."""
+        shutil.rmtree(d, ignore_errors=True)
+        self._drop_empty(d.parent)
+
+    @staticmethod
+    def _drop_empty(step_dir: Path) -> None:
+        with contextlib.suppress(OSError):  # only when empty: other nodes may share it
+            step_dir.rmdir()
+
+    # -- resume ---------------------------------------------------------------------------
+    def _steps(self) -> list[int]:
+        """Steps this node has a directory of, oldest first."""
         if not self.root.is_dir():
             return []
-        return [
-            p
-            for p in self.root.iterdir()
-            if p.is_dir() and p.name.startswith(PREFIX) and p.name[len(PREFIX) :].isdigit()
-        ]
+        steps = []
+        for p in self.root.iterdir():
+            digits = p.name[len(PREFIX) :]
+            if p.name.startswith(PREFIX) and digits.isdigit() and (p / self.node).is_dir():
+                steps.append(int(digits))
+        return sorted(steps)
 
-    def verify(self, d: Path) -> None:
-        """Raise CheckpointError unless `d` is committed, authentic, of this run, complete."""
+    def _committed(self) -> list[int]:
+        return [s for s in self._steps() if (self.dir_of(s) / MARKER).exists()]
+
+    def _gather(self, obj: Any) -> list[Any]:
+        if self.world is None:
+            return [obj]
+        out: list[Any] = [None] * dist.get_world_size(self.world)
+        dist.all_gather_object(out, obj, group=self.world)
+        return out
+
+    def latest(self) -> Path | None:
+        """This node's directory of the newest step that every node has committed and
+        verified, or None. A collective: every rank calls it. Every node directory that is
+        not used and newer than the one chosen is moved aside (see the module docstring),
+        and `fallbacks` says which and why."""
+        torn: list[Fallback] = []
+        mine: list[int] | None = None
+        if self.leader:  # a save that died leaves a directory without a marker
+            for s in self._steps():
+                if not (self.dir_of(s) / MARKER).exists():
+                    self._remove(self.dir_of(s))
+                    torn.append(Fallback(s, self.node, "no commit marker (torn save)", None))
+            mine = self._committed()
+        views = [v for v in self._gather((self.node, mine, torn)) if v[1] is not None]
+        have = {node: set(steps) for node, steps, _ in views}
+        problems: dict[tuple[int, str], str] = {}
+        chosen = None
+        for step in sorted(set.intersection(*have.values()) if have else set(), reverse=True):
+            problem = self._problem(self.dir_of(step)) if self.leader else None
+            found = [(n, p) for n, p in self._gather((self.node, problem)) if p]
+            if not found:
+                chosen = step
+                break
+            problems.update({(step, n): p for n, p in found})
+        torn_at = {(f.step, f.node) for _, _, t in views for f in t}
+        moved = self._set_aside(chosen, have, problems, torn_at) if self.leader else []
+        self.fallbacks = [f for _, _, t in views for f in t]
+        for part in self._gather(moved):  # also the barrier: nothing is moved after this
+            self.fallbacks += part
+        self.fallbacks.sort(key=lambda f: (-f.step, f.node))
+        return None if chosen is None else self.dir_of(chosen)
+
+    def _set_aside(
+        self,
+        chosen: int | None,
+        have: dict[str, set[int]],
+        problems: dict[tuple[int, str], str],
+        torn: set[tuple[int, str]],
+    ) -> list[Fallback]:
+        """Leader: move this node's committed steps newer than `chosen` out of the way.
+        Quarantined, not deleted: a node that lists nothing may only have lost its mount.
+        The exception is the usual aftermath of a kill mid-save: this node committed a step
+        whose save was cut short on other nodes; that copy is deleted like a torn one."""
+        out = []
+        for step in sorted(have[self.node]):
+            if chosen is not None and step <= chosen:
+                continue
+            missing = sorted(n for n, steps in have.items() if step not in steps)
+            other = sorted((n, p) for (s, n), p in problems.items() if s == step)
+            if (step, self.node) in problems:
+                reason = problems[(step, self.node)]
+            elif missing:
+                reason = f"not committed on node {', '.join(missing)}"
+                if all((step, n) in torn for n in missing):
+                    reason += " (its save was cut short)"
+                    self._remove(self.dir_of(step))
+                    out.append(Fallback(step, self.node, reason, None))
+                    continue
+            else:  # in every node's list, and checked: some other node's copy is bad
+                reason = f"unusable on node {other[0][0]} ({other[0][1]})"
+            out.append(Fallback(step, self.node, reason, str(self._quarantine(step, reason))))
+        return out
+
+    def _quarantine(self, step: int, reason: str) -> Path:
+        """Move this node's directory of `step` to <root>/quarantine/ with a REASON file."""
+        src = self.dir_of(step)
+        stamp = time.strftime("%Y%m%dT%H%M%S")
+        base = self.root / QUARANTINE / f"{PREFIX}{step}-{self.node}-{_slug(reason)}-{stamp}"
+        dest, n = base, 1
+        while dest.exists():
+            dest, n = base.with_name(f"{base.name}-{n}"), n + 1
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        os.rename(src, dest)  # same filesystem (under root): atomic
+        (dest / REASON).write_text(
+            f"step {step} of node {self.node} of run {self.run_id}: {reason}\n"
+        )
+        self._drop_empty(src.parent)
+        return dest
+
+    def _problem(self, d: Path) -> str | None:
+        """Why `d` must not be loaded, or None when it is committed, authentic, of this run,
+        this step and this node, and complete."""
         if not (d / MARKER).exists():
-            raise CheckpointError(f"{d} has no commit marker (torn save)")
+            return "no commit marker (torn save)"
         try:
             body = json.loads((d / MANIFEST).read_text(encoding="utf-8"))
             mac = body.pop("hmac")
-        except (OSError, ValueError, KeyError):
-            raise CheckpointError(f"{d}: manifest missing or unreadable") from None
+        except (OSError, ValueError, KeyError, AttributeError, TypeError):
+            return "manifest missing or unreadable"
         canon = json.dumps(body, sort_keys=True).encode()
         good = hmac.new(self._mac_key, canon, hashlib.sha256).hexdigest()
-        if not hmac.compare_digest(good, mac):
-            raise CheckpointError(
-                f"{d}: manifest does not verify under this run's key (another run, or tampered)"
-            )
+        if not isinstance(mac, str) or not hmac.compare_digest(good, mac):
+            return "manifest does not verify under this run's key (another run, or tampered)"
         if body.get("run_id") != self.run_id:
-            raise CheckpointError(
-                f"{d} belongs to run {body.get('run_id')}, not "
-                f"{self.run_id}; move it away or use that run's stack"
+            return (
+                f"belongs to run {body.get('run_id')}, not {self.run_id}; "
+                "use that run's stack to resume it"
+            )
+        if (body.get("step"), body.get("node")) != (step_of(d), self.node):
+            return (
+                f"manifest is of step {body.get('step')} on node {body.get('node')} "
+                "(a manifest copied from another directory)"
             )
         actual = _digest_files(d)
         for name, digest in body["files"].items():
             if name not in actual:
-                raise CheckpointError(f"{d}: file {name} is missing")
+                return f"file {name} is missing"
             if actual[name] != digest:
-                raise CheckpointError(f"{d}: file {name} is corrupt (digest mismatch)")
+                return f"file {name} is corrupt (digest mismatch)"
         extra = set(actual) - set(body["files"])
         if extra:
-            raise CheckpointError(f"{d}: unexpected files {sorted(extra)}")
-
-    def latest(self) -> Path | None:
-        """Newest committed, verified checkpoint; torn or corrupt newer ones are reported
-        in `log` and skipped."""
-        for d in sorted(self._dirs(), key=step_of, reverse=True):
-            try:
-                self.verify(d)
-                return d
-            except CheckpointError as e:
-                self.log.append(f"skipped {e}")
+            return f"unexpected files {sorted(extra)}"
         return None
 
+    def verify(self, d: Path) -> None:
+        """Raise CheckpointError unless `d` is committed, authentic, of this run, this step
+        and this node, and complete."""
+        problem = self._problem(d)
+        if problem is not None:
+            raise CheckpointError(f"{d}: {problem}")
+
     def load(self, d: Path, state: dict[str, Any]) -> None:
-        """Load verified `d` into `state` in place (tensors are filled, not replaced)."""
+        """Load verified `d` into `state` in place (tensors are filled, not replaced), over
+        the node's group: every rank reads only its own node's directory."""
         self.verify(d)
         dcp.load(state, checkpoint_id=str(d), process_group=self.group)
 

@@ -7,6 +7,7 @@ world size) runs before the process group starts, so a bad spec fails fast and c
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import os
@@ -20,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from training.checkpoint import Checkpointer, step_of
+from training.checkpoint import Checkpointer, node_group, node_root, step_of
 from training.codec import Codec
 from training.data import ByteLoader, load_region_text
 from training.errors import GeotrainError, SpecError
@@ -101,6 +102,21 @@ def preflight(spec: LaunchSpec, node_name: str, local_rank: int) -> tuple[int, b
     return node.first_rank + local_rank, key, text
 
 
+def make_checkpointer(spec: LaunchSpec, node_name: str, key: bytes) -> Checkpointer:
+    """Per-node checkpoints (see training.checkpoint). Two dedicated gloo groups: async
+    saves never block the training groups. Every rank creates both in the same order."""
+    region, node = spec.node(node_name)
+    world = dist.new_group(backend="gloo")
+    spans = [
+        list(range(n.first_rank, n.first_rank + n.nprocs)) for r in spec.regions for n in r.nodes
+    ]
+    group = node_group(spans)
+    root = node_root(spec.checkpoint.dir, spec.stack, node.name, region.name)
+    return Checkpointer(
+        root, node.name, spec.run_id, key, spec.checkpoint.keep, group=group, world=world
+    )
+
+
 def interface_of(address: str) -> str | None:
     """Name of the interface that holds `address` (gloo must bind there: in the lab and on
     multi-homed hosts the hostname does not resolve to the overlay address)."""
@@ -142,7 +158,7 @@ def setup(spec: LaunchSpec, node_name: str, local_rank: int, events: Path | None
     )
     topo = Topology.of(spec, rank)
     groups = make_groups(topo, device)
-    ckpt_group = dist.new_group(backend="gloo")  # async saves never block training groups
+    ckpt = make_checkpointer(spec, node_name, key)
     torch.manual_seed(spec.seed)  # identical initial weights on every rank
     model = build_model(spec.model).to(device)
     codec = Codec(spec.codec, key)
@@ -158,13 +174,12 @@ def setup(spec: LaunchSpec, node_name: str, local_rank: int, events: Path | None
         opt=torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=0.01),
         loader=ByteLoader.of(text, spec.batch_size, spec.seq_len, spec.seed * 1000 + rank),
         sync=sync,
-        ckpt=Checkpointer(
-            Path(spec.checkpoint.dir), spec.run_id, key, spec.checkpoint.keep, rank, ckpt_group
-        ),
+        ckpt=ckpt,
         metrics=RuntimeMetrics(region.name, node.name, rank),
         events=events,
         node=node.name,
     )
+    ckpt.on_commit = lambda step: job.emit("committed", node=node.name, step=step)
     if spec.sync == "diloco":
         job.global_params = [p.detach().clone() for p in model.parameters()]
         job.outer = torch.optim.SGD(
@@ -240,10 +255,10 @@ def state_dict(job: Job) -> dict[str, Any]:
 
 
 def resume(job: Job) -> int | None:
-    d = job.ckpt.latest()
-    for note in job.ckpt.log:
-        job.emit("checkpoint_skipped", note=note)
-    job.ckpt.remove_torn()
+    d = job.ckpt.latest()  # every rank agrees; each gets its own node's directory
+    if job.topo.rank == 0:  # every node's fallbacks, gathered: reported once
+        for f in job.ckpt.fallbacks:
+            job.emit("checkpoint_skipped", **dataclasses.asdict(f))
     if d is None:
         return None
     state = state_dict(job)

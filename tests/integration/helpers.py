@@ -66,3 +66,8 @@ def events(run_dir: Path) -> list[dict[str, Any]]:
     if not path.exists():
         return []
     return [json.loads(ln) for ln in path.read_text().splitlines() if ln.endswith("}")]
+
+
+def committed(root: Path, node: str) -> set[int]:
+    """Steps `node` has committed under checkpoint root `root`."""
+    return {int(p.parent.parent.name[5:]) for p in root.glob(f"step-*/{node}/COMMITTED")}

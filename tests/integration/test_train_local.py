@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.integration.helpers import events, geotrain, small_stack, start
+from tests.integration.helpers import committed, events, geotrain, small_stack, start
 
 pytestmark = pytest.mark.timeout(600)
+NODES = ("bj-0", "fra-0", "sv-0")
 
 
 def _final(cwd: Path, name: str) -> dict[str, torch.Tensor]:
@@ -32,10 +33,11 @@ def test_train_runs_three_regions_and_reports(tmp_path: Path) -> None:
     assert report["compression_ratio"] > 3  # int8 + zstd
     assert 0 < report["bytes_vs_flat_fp32"] < 1
     assert "cross-region bytes" in r.stdout and "compression ratio" in r.stdout
-    # only committed, verified checkpoints remain, at most `keep`
-    ckpts = sorted((tmp_path / ".geotrain/run/checkpoints").glob("step-*"))
-    assert [p.name for p in ckpts] == ["step-3", "step-6"]
-    assert all((p / "COMMITTED").exists() for p in ckpts)
+    # only committed, verified checkpoints remain, at most `keep`, one directory per node
+    root = tmp_path / ".geotrain/run/checkpoints"
+    assert sorted(p.name for p in root.iterdir()) == ["step-3", "step-6"]
+    for node in NODES:
+        assert committed(root, node) == {3, 6}
 
 
 def test_kill_9_resumes_and_ends_bitwise_equal_to_an_uninterrupted_run(tmp_path: Path) -> None:
@@ -54,10 +56,10 @@ def test_kill_9_resumes_and_ends_bitwise_equal_to_an_uninterrupted_run(tmp_path:
     while victim is None and time.monotonic() < deadline and proc.poll() is None:
         ev = events(run_dir)
         step = max((e["step"] for e in ev if e["event"] == "step"), default=0)
-        committed = [int(p.name[5:]) for p in ckpts.glob("step-*") if (p / "COMMITTED").exists()]
-        if step >= kill_at and committed:  # kill once there is committed work to lose
+        common = set.intersection(*(committed(ckpts, n) for n in NODES))
+        if step >= kill_at and common:  # kill once there is committed work to lose
             victim = random.Random(kill_at).choice([e["pid"] for e in ev if e["event"] == "start"])
-            committed_at_kill, step_at_kill = max(committed), step
+            committed_at_kill, step_at_kill = max(common), step
             os.kill(victim, signal.SIGKILL)
         time.sleep(0.05)
     out, _ = proc.communicate(timeout=300)

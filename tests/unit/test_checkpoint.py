@@ -14,52 +14,102 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from training.checkpoint import MANIFEST, MARKER, Checkpointer
+from training.checkpoint import (
+    MANIFEST,
+    MARKER,
+    QUARANTINE,
+    REASON,
+    Checkpointer,
+    node_group,
+    node_root,
+)
 from training.errors import CheckpointError
 from training.testing import run_world
 
 pytestmark = pytest.mark.timeout(120)
 KEY = bytes(range(32))
+ONE_NODE = [[0]]
+TWO_NODES = [[0], [1]]
 
 
-def _ckpt(root: Path, run_id: str = "run-a", key: bytes = KEY, keep: int = 3) -> Checkpointer:
-    return Checkpointer(root, run_id, key, keep, dist.get_rank(), dist.new_group(backend="gloo"))
+def _ckpt(
+    root: Path,
+    run_id: str = "run-a",
+    key: bytes = KEY,
+    keep: int = 3,
+    nodes: list[list[int]] = ONE_NODE,
+) -> Checkpointer:
+    """This rank's checkpointer; node i holds the ranks nodes[i] and is called n<i>. A
+    root with {node} gives every node its own directory, as on separate hosts."""
+    world = dist.new_group(backend="gloo")
+    group = node_group(nodes)
+    i = next(i for i, ranks in enumerate(nodes) if dist.get_rank() in ranks)
+    name = f"n{i}"
+    return Checkpointer(
+        node_root(str(root), "test", name, "r"), name, run_id, key, keep, group, world
+    )
 
 
 def _state(value: float, n: int = 1000) -> dict[str, Any]:
-    return {"w": torch.full((n,), value), "meta": {"step": int(value)}}
+    """A value every rank shares (`w`) and one only this rank has."""
+    r = dist.get_rank()
+    return {
+        "w": torch.full((n,), value),
+        "meta": {"step": int(value)},
+        f"rank{r}": {"x": torch.full((4,), value + r)},
+    }
 
 
-def _save_steps(rank: int, world: int, root: str, steps: list[int], n: int) -> None:
-    c = _ckpt(Path(root))
+def _save_steps(
+    rank: int, world: int, root: str, steps: list[int], n: int, nodes: list[list[int]]
+) -> None:
+    c = _ckpt(Path(root), nodes=nodes)
     for s in steps:
         c.save(s, _state(float(s), n))
     c.wait()
 
 
-def _latest(rank: int, world: int, root: str, run_id: str, key: bytes) -> Any:
-    c = _ckpt(Path(root), run_id, key)
+def _latest(
+    rank: int, world: int, root: str, run_id: str, key: bytes, nodes: list[list[int]]
+) -> Any:
+    c = _ckpt(Path(root), run_id, key, nodes=nodes)
     d = c.latest()
     if d is None:
-        return None, c.log
+        return None, c.fallbacks
     state = _state(0.0)
     c.load(d, state)
-    return d.name, c.log, state["w"][0].item()
+    assert torch.equal(state[f"rank{rank}"]["x"], torch.full((4,), state["w"][0].item() + rank))
+    return d.parent.name if nodes == ONE_NODE else str(d), c.fallbacks, state["w"][0].item()
 
 
-def _make(tmp: Path, steps: tuple[int, ...] = (1, 2), n: int = 1000) -> Path:
-    root = tmp / "ckpt"
-    run_world(_save_steps, 1, str(root), list(steps), n)
-    return root
+def _make(
+    tmp: Path,
+    steps: tuple[int, ...] = (1, 2),
+    n: int = 1000,
+    nodes: list[list[int]] = ONE_NODE,
+    root: str = "ckpt",
+) -> Path:
+    run_world(_save_steps, sum(map(len, nodes)), str(tmp / root), list(steps), n, nodes)
+    return tmp / root
 
 
-def _resume(root: Path, run_id: str = "run-a", key: bytes = KEY) -> Any:
-    return run_world(_latest, 1, str(root), run_id, key)[0]
+def _resume(
+    root: Path, run_id: str = "run-a", key: bytes = KEY, nodes: list[list[int]] = ONE_NODE
+) -> Any:
+    out = run_world(_latest, sum(map(len, nodes)), str(root), run_id, key, nodes)
+    return out[0] if nodes == ONE_NODE else out
+
+
+def _quarantined(root: Path) -> list[str]:
+    """REASON of every quarantined directory."""
+    return sorted((d / REASON).read_text() for d in (root / QUARANTINE).glob("step-*"))
 
 
 def test_resume_loads_the_newest_committed_checkpoint(tmp_path: Path) -> None:
-    name, log, value = _resume(_make(tmp_path))
-    assert (name, value, log) == ("step-2", 2.0, [])
+    root = _make(tmp_path)
+    name, fallbacks, value = _resume(root)
+    assert (name, value, fallbacks) == ("step-2", 2.0, [])
+    assert (root / "step-2" / "n0" / MARKER).exists()
 
 
 def _save_then_change(rank: int, world: int, root: str) -> list[float]:
@@ -73,7 +123,7 @@ def _save_then_change(rank: int, world: int, root: str) -> list[float]:
     state["meta"]["tokens"].append(2)
     c.wait()
     back = {"w": torch.zeros(2_000_000), "meta": {"tokens": [0]}}
-    c.load(Path(root) / "step-1", back)
+    c.load(c.dir_of(1), back)
     return [back["w"].min().item(), back["w"].max().item(), len(back["meta"]["tokens"])]
 
 
@@ -88,62 +138,156 @@ def test_retention_keeps_only_the_newest(tmp_path: Path) -> None:
 
 def test_resume_uses_previous_checkpoint_when_latest_is_torn(tmp_path: Path) -> None:
     root = _make(tmp_path)
-    (root / "step-2" / MARKER).unlink()
-    name, log, value = _resume(root)
+    (root / "step-2" / "n0" / MARKER).unlink()
+    name, fallbacks, value = _resume(root)
     assert (name, value) == ("step-1", 1.0)
-    assert "no commit marker" in log[0]
+    assert "no commit marker" in fallbacks[0].reason
+    assert fallbacks[0].moved_to is None and not (root / "step-2").exists()
 
 
-def _corrupt(root: Path) -> None:
-    f = next((root / "step-2").glob("*.distcp"))
+def _corrupt(root: Path, node: str = "n0") -> None:
+    f = next((root / "step-2" / node).glob("*.distcp"))
     data = bytearray(f.read_bytes())
     data[len(data) // 2] ^= 0xFF
     f.write_bytes(bytes(data))
 
 
 def _drop_shard(root: Path) -> None:
-    next((root / "step-2").glob("*.distcp")).unlink()
+    next((root / "step-2" / "n0").glob("*.distcp")).unlink()
 
 
 def _forge_manifest(root: Path) -> None:
-    m = root / "step-2" / MANIFEST
+    m = root / "step-2" / "n0" / MANIFEST
     body = json.loads(m.read_text())
     body["step"] = 99
     m.write_text(json.dumps(body))
 
 
+def _truncate_manifest(root: Path) -> None:
+    m = root / "step-2" / "n0" / MANIFEST
+    m.write_text(m.read_text()[:40])
+
+
+def _swap_manifest(root: Path) -> None:
+    """An authentic manifest, but step 1's."""
+    shutil.copy(root / "step-1" / "n0" / MANIFEST, root / "step-2" / "n0" / MANIFEST)
+
+
 def _extra_file(root: Path) -> None:
-    (root / "step-2" / "evil.pkl").write_bytes(b"\x80\x04N.")
+    (root / "step-2" / "n0" / "evil.pkl").write_bytes(b"\x80\x04N.")
 
 
 CORRUPTIONS = {
     "corrupt-shard": (_corrupt, "is corrupt"),
     "missing-shard": (_drop_shard, "is missing"),
     "forged-manifest": (_forge_manifest, "does not verify"),
+    "truncated-manifest": (_truncate_manifest, "missing or unreadable"),
+    "swapped-manifest": (_swap_manifest, "manifest is of step 1"),
     "extra-file": (_extra_file, "unexpected files"),
 }
 
 
 @pytest.mark.parametrize("case", sorted(CORRUPTIONS))
-def test_corrupt_newest_checkpoint_is_detected_and_skipped(tmp_path: Path, case: str) -> None:
+def test_corrupt_newest_checkpoint_is_skipped_and_quarantined_with_its_reason(
+    tmp_path: Path, case: str
+) -> None:
     root = _make(tmp_path)
     corrupt, words = CORRUPTIONS[case]
     corrupt(root)
-    name, log, value = _resume(root)
+    name, fallbacks, value = _resume(root)
     assert (name, value) == ("step-1", 1.0)
-    assert words in log[0], log
+    assert [(f.step, f.node) for f in fallbacks] == [(2, "n0")]
+    assert words in fallbacks[0].reason, fallbacks
+    assert not (root / "step-2").exists()  # nothing left to block a later save of step 2
+    (reason,) = _quarantined(root)
+    assert words in reason and Path(fallbacks[0].moved_to).parent == root / QUARANTINE
+
+
+def _resume_then_save(rank: int, world: int, root: str) -> str:
+    c = _ckpt(Path(root))
+    d = c.latest()
+    c.load(d, _state(0.0))  # type: ignore[arg-type]
+    c.save(2, _state(2.0))  # training reaches step 2 again
+    c.wait()
+    return c.latest().parent.name  # type: ignore[union-attr]
+
+
+def test_quarantined_step_can_be_saved_again_when_training_reaches_it(tmp_path: Path) -> None:
+    root = _make(tmp_path)
+    _corrupt(root)
+    assert run_world(_resume_then_save, 1, str(root))[0] == "step-2"
+    assert (root / "step-2" / "n0" / MARKER).exists() and len(_quarantined(root)) == 1
 
 
 def test_checkpoint_of_another_run_is_never_loaded(tmp_path: Path) -> None:
     root = _make(tmp_path)
-    name, log = _resume(root, run_id="run-b")
+    name, fallbacks = _resume(root, run_id="run-b")
     assert name is None
-    assert all("belongs to run run-a" in line for line in log), log
+    assert [f.step for f in fallbacks] == [2, 1]
+    assert all("belongs to run run-a" in f.reason for f in fallbacks), fallbacks
+    assert len(_quarantined(root)) == 2  # kept for their run, out of this one's way
 
 
 def test_checkpoint_under_another_key_is_never_loaded(tmp_path: Path) -> None:
-    name, log = _resume(_make(tmp_path), key=bytes(32))
-    assert name is None and "does not verify" in log[0]
+    name, fallbacks = _resume(_make(tmp_path), key=bytes(32))
+    assert name is None and "does not verify" in fallbacks[0].reason
+
+
+def test_each_node_commits_its_own_directory(tmp_path: Path) -> None:
+    root = _make(tmp_path, nodes=TWO_NODES)
+    for node in ("n0", "n1"):
+        d = root / "step-2" / node
+        assert (d / MARKER).exists()
+        assert json.loads((d / MANIFEST).read_text())["node"] == node
+
+
+def test_a_value_the_ranks_of_a_node_share_is_stored_once_per_node(tmp_path: Path) -> None:
+    root = _make(tmp_path, (1,), n=1_000_000, nodes=[[0, 1]])  # w: 4 MB on both ranks
+    size = sum(f.stat().st_size for f in (root / "step-1" / "n0").glob("*.distcp"))
+    assert 4e6 <= size < 5e6
+
+
+def _hosts(tmp: Path) -> Path:
+    """Two nodes with separate roots, as on hosts without a shared filesystem."""
+    return _make(tmp, nodes=TWO_NODES, root="hosts/{node}")
+
+
+def _both_resume_from(root: Path, step: int) -> list[Any]:
+    out = _resume(root, nodes=TWO_NODES)
+    assert [(Path(d).parts[-3:], v) for d, _, v in out] == [
+        ((node, f"step-{step}", node), float(step)) for node in ("n0", "n1")
+    ]
+    assert out[0][1] == out[1][1]  # every rank knows every node's fallbacks
+    return list(out[0][1])
+
+
+def test_ranks_resume_from_the_newest_step_every_node_committed(tmp_path: Path) -> None:
+    root = _hosts(tmp_path)
+    shutil.rmtree(tmp_path / "hosts" / "n1" / "step-2")  # n1 never committed step 2
+    fallbacks = _both_resume_from(root, 1)
+    assert [(f.step, f.node) for f in fallbacks] == [(2, "n0")]
+    assert "not committed on node n1" in fallbacks[0].reason
+    assert not (tmp_path / "hosts" / "n0" / "step-2").exists()
+    assert len(_quarantined(tmp_path / "hosts" / "n0")) == 1
+
+
+def test_corrupt_newest_step_on_one_node_makes_every_rank_resume_from_the_previous_common_step(
+    tmp_path: Path,
+) -> None:
+    root = _hosts(tmp_path)
+    _corrupt(tmp_path / "hosts" / "n1", "n1")
+    fallbacks = _both_resume_from(root, 1)
+    assert [(f.step, f.node) for f in fallbacks] == [(2, "n0"), (2, "n1")]
+    assert "unusable on node n1" in fallbacks[0].reason
+    assert "is corrupt" in fallbacks[1].reason
+    for node in ("n0", "n1"):
+        assert not (tmp_path / "hosts" / node / "step-2").exists()
+
+
+def test_node_roots_fill_in_node_region_and_stack() -> None:
+    assert node_root("/c/{stack}/{region}/{node}", "s", "bj-0", "beijing") == Path(
+        "/c/s/beijing/bj-0"
+    )
 
 
 def _save_then_die(rank: int, world: int, root: str) -> None:
