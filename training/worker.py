@@ -24,11 +24,11 @@ import torch.distributed as dist
 from training.checkpoint import Checkpointer, node_group, node_root, step_of
 from training.codec import Codec
 from training.data import ByteLoader, load_region_text
-from training.errors import GeotrainError, SpecError
+from training.errors import DataError, GeotrainError, SpecError
 from training.hier import HierarchicalAllReduce
 from training.keys import load_key
 from training.metrics import RuntimeMetrics
-from training.model import DeepSeekLM, build_model
+from training.model import DeepSeekLM, preset
 from training.spec import LaunchSpec, metrics_port
 from training.topology import Groups, Topology, make_groups
 
@@ -99,7 +99,20 @@ def preflight(spec: LaunchSpec, node_name: str, local_rank: int) -> tuple[int, b
     key = load_key(spec.key_file)
     idx = [r.name for r in spec.regions].index(region.name)
     text = load_region_text(region, idx, len(spec.regions))
+    if len(text) < spec.seq_len + 2:  # a window is seq_len + 1 bytes, drawn from [0, n - it)
+        raise DataError(
+            f"region {region.name}'s data is {len(text)} bytes, too short for one sequence "
+            f"of seq_len {spec.seq_len} plus its target byte; lower "
+            "geotrain:training.seq_len or give the region more data"
+        )
     return node.first_rank + local_rank, key, text
+
+
+def build_model(spec: LaunchSpec) -> DeepSeekLM:
+    """The spec's preset with a RoPE table that covers seq_len. The table is a
+    non-persistent buffer drawn from no RNG: weights and checkpoints do not change."""
+    c = preset(spec.model)
+    return DeepSeekLM(dataclasses.replace(c, max_seq=max(c.max_seq, spec.seq_len)))
 
 
 def make_checkpointer(spec: LaunchSpec, node_name: str, key: bytes) -> Checkpointer:
@@ -160,7 +173,7 @@ def setup(spec: LaunchSpec, node_name: str, local_rank: int, events: Path | None
     groups = make_groups(topo, device)
     ckpt = make_checkpointer(spec, node_name, key)
     torch.manual_seed(spec.seed)  # identical initial weights on every rank
-    model = build_model(spec.model).to(device)
+    model = build_model(spec).to(device)
     codec = Codec(spec.codec, key)
     epoch = int(os.environ.get("GEOTRAIN_RESTART", "0"))
     sync = HierarchicalAllReduce(
@@ -182,11 +195,9 @@ def setup(spec: LaunchSpec, node_name: str, local_rank: int, events: Path | None
     ckpt.on_commit = lambda step: job.emit("committed", node=node.name, step=step)
     if spec.sync == "diloco":
         job.global_params = [p.detach().clone() for p in model.parameters()]
-        job.outer = torch.optim.SGD(
-            job.global_params,
-            lr=spec.diloco.outer_lr,
-            momentum=spec.diloco.outer_momentum,
-            nesterov=True,
+        m = spec.diloco.outer_momentum
+        job.outer = torch.optim.SGD(  # Nesterov needs momentum; 0 is a plain outer SGD step
+            job.global_params, lr=spec.diloco.outer_lr, momentum=m, nesterov=m > 0
         )
     prime(job)
     host = node.host if spec.metrics_bind == "private" else spec.metrics_bind

@@ -23,6 +23,7 @@ def check_model(m: StackModel, source: str) -> None:
         _training,
         _monitoring,
         _policy,
+        _runtime,
     ):
         check(m, source)
 
@@ -367,3 +368,39 @@ def _policy(m: StackModel, source: str) -> None:
                 f"policy.gpu_prices.{g}",
                 f"unknown GPU type '{g}'; use one of {', '.join(GPU_TYPES)}",
             )
+
+
+def _runtime(m: StackModel, source: str) -> None:
+    """Settings each field accepts but the runtime could not run with."""
+    t, mon = m.training, m.monitoring
+    rest = t.checkpoint.dir
+    for known in ("{stack}", "{node}", "{region}"):
+        rest = rest.replace(known, "")
+    if "{" in rest or "}" in rest:
+        raise _err(
+            source,
+            "training.checkpoint.dir",
+            f"'{t.checkpoint.dir}' has a placeholder the runtime does not fill in; "
+            "use only {stack}, {node} and {region}",
+        )
+    if not 0 <= t.seed < 2**32:
+        raise _err(
+            source,
+            "training.seed",
+            f"{t.seed} is outside 0-{2**32 - 1}; the runtime seeds each rank's data order "
+            "with seed * 1000 + rank, which must fit in 64 bits",
+        )
+    if mon.metrics_port and any(r.pool.kind == "local" for r in m.regions):
+        # one machine: every worker serves on metrics_port + its global rank
+        world = sum(n.gpus for r in m.regions for n in r.pool.nodes)
+        span = range(mon.metrics_port, mon.metrics_port + world)
+        for key in type(mon).model_fields:
+            port = getattr(mon, key)
+            if key.endswith("_port") and key != "metrics_port" and port in span:
+                raise _err(
+                    source,
+                    f"monitoring.{key}",
+                    f"{port} collides with the runtime metrics ports {span.start}-"
+                    f"{span.stop - 1} (on a local stack every worker takes metrics_port + "
+                    "its rank); move one of them",
+                )

@@ -137,7 +137,7 @@ class Diloco(Strict):
     outer_lr: float = Field(default=0.7, gt=0, le=10)
     """Outer Nesterov learning rate."""
     outer_momentum: float = Field(default=0.9, ge=0, lt=1)
-    """Outer Nesterov momentum."""
+    """Outer momentum, Nesterov when > 0; 0 makes the outer step plain SGD."""
 
     @property
     def every_steps(self) -> int | None:
@@ -149,7 +149,9 @@ class Diloco(Strict):
 
 class Checkpoint(Strict):
     dir: str = ".geotrain/{stack}/checkpoints"
-    """Checkpoint root ({stack} is replaced); relative paths are under the repo (local)."""
+    """Checkpoint root; {stack}, {node} and {region} are filled in (each node saves its
+    own ranks under <dir>/step-N/<node>/, so hosts need no shared filesystem); relative
+    paths resolve against the launch directory."""
     interval_steps: int = Field(default=50, ge=1)
     """Save every N steps."""
     interval_minutes: float = Field(default=30, gt=0)
