@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import itertools
+import re
 
 from infra.model.gpus import GPU_TYPES
 from infra.model.schema import StackModel
+from infra.plan.names import WORKER_HOST_OFFSET, ifname
 from training.errors import ConfigError
 
 SINGLE_MACHINE_KINDS = ("local", "lab")
@@ -19,6 +21,9 @@ def check_model(m: StackModel, source: str) -> None:
         _pools,
         _workers,
         _links,
+        _names,
+        _ports,
+        _tags,
         _shards,
         _training,
         _monitoring,
@@ -93,11 +98,14 @@ def _addresses(m: StackModel, source: str) -> None:
                 f"regions[{i}].subnet",
                 f"{r.subnet} overlaps transfer_cidr {net.transfer_cidr}; move one of them",
             )
-        if r.subnet.num_addresses < len(r.pool.nodes) + 4:
+        need = WORKER_HOST_OFFSET + len(r.pool.nodes) + 1
+        if r.subnet.num_addresses < need:
             raise _err(
                 source,
                 f"regions[{i}].subnet",
-                f"{r.subnet} is too small for {len(r.pool.nodes)} nodes; use a larger prefix",
+                f"{r.subnet} holds {r.subnet.num_addresses} addresses but "
+                f"{len(r.pool.nodes)} nodes need {need} (gateway .1, workers from "
+                f".{WORKER_HOST_OFFSET}, broadcast); use /{_prefix_for(need)} or larger",
             )
     for (i, a), (j, b) in itertools.combinations(enumerate(m.regions), 2):
         if a.subnet.overlaps(b.subnet):
@@ -114,10 +122,55 @@ def _addresses(m: StackModel, source: str) -> None:
             f"{net.underlay_cidr} overlaps the overlay "
             f"{net.overlay_cidr}; the underlay must be separate",
         )
+    lab = any(r.pool.kind == "lab" for r in m.regions)
+    if lab and net.underlay_cidr.num_addresses // 4 < len(net.links):
+        raise _err(
+            source,
+            "network.underlay_cidr",
+            f"{net.underlay_cidr} holds {net.underlay_cidr.num_addresses // 4} /30 links, "
+            f"{len(net.links)} needed; use /{_prefix_for(4 * len(net.links))} or larger",
+        )
+    seen: dict[str, str] = {}
+    for i, r in enumerate(m.regions):
+        for j, n in enumerate(r.pool.nodes):
+            if r.pool.kind not in ("ssh",):
+                continue
+            path = f"regions[{i}].pool.nodes[{j}].address"
+            if n.address in net.overlay_cidr:
+                raise _err(
+                    source,
+                    path,
+                    f"{n.address} is inside overlay_cidr {net.overlay_cidr}; give the address "
+                    "the operator reaches the host on (its underlay address)",
+                )
+            if str(n.address) in seen:
+                raise _err(
+                    source,
+                    path,
+                    f"{n.address} is also node {seen[str(n.address)]}'s address; one host "
+                    "serves one node",
+                )
+            seen[str(n.address)] = n.name
 
 
 def _pools(m: StackModel, source: str) -> None:
     kinds = {r.pool.kind for r in m.regions}
+    if "kubernetes" in kinds and len(kinds) > 1:
+        i = next(i for i, r in enumerate(m.regions) if r.pool.kind == "kubernetes")
+        raise _err(
+            source,
+            f"regions[{i}].pool.kind",
+            "kubernetes regions cannot yet share a stack with "
+            f"{sorted(kinds - {'kubernetes'})}: there is no WireGuard gateway between a "
+            "cluster and hosts; put every region on Kubernetes or none",
+        )
+    if "ssh" in kinds and not m.network.admin_cidrs:
+        raise _err(
+            source,
+            "network.admin_cidrs",
+            "ssh hosts drop every connection the stack does not expect, SSH included: list "
+            "the networks you run `pulumi up` from, e.g. admin_cidrs: [203.0.113.0/24]",
+        )
     for i, r in enumerate(m.regions):
         names = [n.name for n in r.pool.nodes]
         if r.pool.gateway is not None and r.pool.gateway not in names:
@@ -209,6 +262,88 @@ def _links(m: StackModel, source: str) -> None:
             "no links between regions; add at least one "
             "link per region so every region is reachable",
         )
+
+
+def _names(m: StackModel, source: str) -> None:
+    """Derived interface names must be distinct per gateway (they name config files, units
+    and BGP neighbours)."""
+    names = [r.name for r in m.regions]
+    for prefix in ("wg-", "u-"):
+        seen: dict[str, str] = {}
+        for i, name in enumerate(names):
+            derived = ifname(prefix, name)
+            if derived in seen:
+                raise _err(
+                    source,
+                    f"regions[{i}].name",
+                    f"regions '{seen[derived]}' and '{name}' both give the interface name "
+                    f"'{derived}' (Linux allows 15 characters); rename one of them",
+                )
+            seen[derived] = name
+
+
+def _ports(m: StackModel, source: str) -> None:
+    net, mon = m.network, m.monitoring
+    last = net.wireguard_port + len(m.regions) - 1
+    if last > 65535:
+        raise _err(
+            source,
+            "network.wireguard_port",
+            f"{net.wireguard_port} + one port per region ends at {last} > 65535; "
+            f"use at most {65535 - len(m.regions) + 1}",
+        )
+    if mon.metrics_port:
+        shared = any(r.pool.kind == "local" for r in m.regions)
+        span = (
+            sum(n.gpus for r in m.regions for n in r.pool.nodes)
+            if shared
+            else max(n.gpus for r in m.regions for n in r.pool.nodes)
+        )
+        end = mon.metrics_port + span - 1
+        if end > 65535:
+            raise _err(
+                source,
+                "monitoring.metrics_port",
+                f"{mon.metrics_port} + {span} worker ports ends at {end} > 65535; "
+                f"use at most {65535 - span + 1}",
+            )
+        port = m.training.rendezvous_port
+        if mon.metrics_port <= port <= end:
+            raise _err(
+                source,
+                "training.rendezvous_port",
+                f"{port} collides with the runtime metrics ports {mon.metrics_port}-{end}; "
+                "move one of them",
+            )
+
+
+LABEL_KEY = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9_.-]{0,61}[A-Za-z0-9])?$")
+LABEL_VALUE = re.compile(r"^([A-Za-z0-9]([A-Za-z0-9_.-]{0,61}[A-Za-z0-9])?)?$")
+
+
+def _tags(m: StackModel, source: str) -> None:
+    """Tags become Kubernetes labels (geotrain.io/<key>) and cloud tags: both must be valid."""
+    for key, value in m.tags.items():
+        if not LABEL_KEY.match(key):
+            raise _err(
+                source,
+                f"tags.{key[:40]}",
+                "tag keys become Kubernetes label names: 1-63 characters, letters, digits, "
+                "'-', '_', '.', starting and ending with a letter or digit",
+            )
+        if not isinstance(value, str) or not LABEL_VALUE.match(value):
+            raise _err(
+                source,
+                f"tags.{key}",
+                f"value {str(value)[:40]!r} is not a valid label value: at most 63 "
+                "characters, letters, digits, '-', '_', '.', starting and ending with a "
+                "letter or digit",
+            )
+
+
+def _prefix_for(addresses: int) -> int:
+    """The longest IPv4 prefix whose block holds `addresses` addresses."""
+    return 32 - max(0, (addresses - 1).bit_length())
 
 
 def _shards(m: StackModel, source: str) -> None:

@@ -36,6 +36,9 @@ class Node(Strict):
     """Accelerator type from infra.model.gpus.GPU_TYPES."""
     gpus: int = Field(default=1, ge=1, le=16)
     """Accelerators on the node = worker processes (for cpu: CPU worker processes)."""
+    interface: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_.@-]{1,15}$")
+    """ssh: interface that gets the node's region-subnet address (default: the one holding
+    `address`, else the default route's)."""
 
 
 class SshSettings(Strict):
@@ -95,6 +98,9 @@ class Link(Strict):
     """Expected one-way latency (informational: netem is not available for the lab)."""
     cost: int = Field(default=10, ge=1, le=1000)
     """Routing cost: the cheapest healthy path wins (BGP AS-path prepends = cost // 10)."""
+    shape: bool | None = None
+    """Shape both tunnel ends to bandwidth_mbps with tc (default: only in the lab, which
+    rehearses slow links; real links are as fast as they are)."""
 
 
 class Network(Strict):
@@ -114,6 +120,9 @@ class Network(Strict):
     """BFD detect multiplier."""
     links: list[Link] = Field(default_factory=list)
     """Links between regions; each becomes a WireGuard tunnel and a BGP session."""
+    admin_cidrs: list[ipaddress.IPv4Network] = Field(default_factory=list)
+    """Where operators (and `pulumi up`) connect from: the only sources hosts accept SSH
+    and the monitoring UIs from (required for ssh pools: everything else is dropped)."""
 
 
 class Compression(Strict):
@@ -158,6 +167,9 @@ class Checkpoint(Strict):
     """Upper bound on minutes between saves (policy caps it)."""
     keep: int = Field(default=2, ge=1)
     """Committed checkpoints to keep (policy requires at least 2)."""
+    keep_on_destroy: bool = True
+    """`pulumi destroy` leaves the checkpoint directories on the hosts (like a
+    StatefulSet's volumes); false deletes them with everything else."""
 
 
 class DataShard(Strict):
@@ -254,6 +266,9 @@ class Monitoring(Strict):
     """Prometheus listen port on the monitoring host."""
     alertmanager_port: int = Field(default=9093, ge=1024, le=65535)
     """Alertmanager listen port on the monitoring host."""
+    grafana: bool = True
+    """Install Grafana on the monitoring host (ssh) from Grafana's apt repository, which
+    the host must reach."""
     grafana_port: int = Field(default=3000, ge=1024, le=65535)
     """Grafana listen port on the monitoring host."""
     grafana_admin_password_config: str = "geotrain:grafanaAdminPassword"

@@ -8,16 +8,13 @@ from __future__ import annotations
 
 import hashlib
 import ipaddress
+import json
 from dataclasses import dataclass
 from typing import NamedTuple
 
 from infra.model.gpus import GPU_TYPES
 from infra.model.schema import Link, StackModel
-
-GATEWAY_HOST_INDEX = 1
-"""Gateway's private IP is the subnet's first host; worker j gets host 10 + j."""
-WORKER_HOST_OFFSET = 10
-IFNAME_MAX = 15  # Linux IFNAMSIZ - 1
+from infra.plan.names import GATEWAY_HOST_INDEX, WORKER_HOST_OFFSET, ifname, lab_netns
 
 
 @dataclass(frozen=True)
@@ -35,6 +32,8 @@ class PlanNode:
     is_gateway: bool
     netns: str | None
     """lab: the node's network namespace."""
+    interface: str | None = None
+    """The interface for the private address, when the stack names one."""
 
     @property
     def device(self) -> str:
@@ -73,7 +72,12 @@ class Tunnel:
     a_underlay: str
     """lab: a's address on the simulated internet (/30); ssh: a's gateway address."""
     b_underlay: str
+    a_uplink: str
+    """lab: a's underlay interface towards b (u-<peer>)."""
+    b_uplink: str
     bandwidth_mbps: int
+    shape_mbps: int | None
+    """Rate both tunnel ends are shaped to with tc (None: not shaped)."""
     cost: int
     prepend: int
     """AS-path prepends that turn link cost into BGP preference."""
@@ -165,7 +169,8 @@ def build_plan(m: StackModel) -> Plan:
                     gpus=n.gpus,
                     first_rank=rank,
                     is_gateway=is_gw,
-                    netns=f"gt-{n.name}" if r.pool.kind == "lab" else None,
+                    netns=lab_netns(m.stack, n.name) if r.pool.kind == "lab" else None,
+                    interface=n.interface,
                 )
             )
             rank += n.gpus
@@ -219,11 +224,14 @@ def _tunnels(m: StackModel, regions: list[PlanRegion]) -> tuple[Tunnel, ...]:
                 # each gateway listens on base + peer's region index: unique per tunnel
                 a_port=net.wireguard_port + index[link.b],
                 b_port=net.wireguard_port + index[link.a],
-                a_ifname=ifname(link.b),
-                b_ifname=ifname(link.a),
+                a_ifname=ifname("wg-", link.b),
+                b_ifname=ifname("wg-", link.a),
                 a_underlay=ua,
                 b_underlay=ub,
+                a_uplink=ifname("u-", link.b),
+                b_uplink=ifname("u-", link.a),
                 bandwidth_mbps=link.bandwidth_mbps,
+                shape_mbps=link.bandwidth_mbps if _shaped(link, by_name[link.a].kind) else None,
                 cost=link.cost,
                 prepend=link.cost // 10 - 1 if link.cost >= 10 else 0,
             )
@@ -245,12 +253,26 @@ def _underlay(
     return regions[link.a].gateway.address, regions[link.b].gateway.address
 
 
-def ifname(peer: str) -> str:
-    """Interface towards `peer`: 'wg-' + name, cut to Linux's 15-character limit."""
-    return ("wg-" + peer)[:IFNAME_MAX]
+def _shaped(link: Link, kind: str) -> bool:
+    return link.shape if link.shape is not None else kind == "lab"
 
 
 def _run_id(m: StackModel) -> str:
-    """Stable across renders of the same stack: binds payloads and checkpoints to it."""
-    digest = hashlib.sha256(m.model_dump_json().encode()).hexdigest()[:10]
+    """Names the training run: the same for every render of what a checkpoint depends on,
+    so a change of codec, cadence, links, tags or ports resumes the run where it was,
+    and a change of model, data, seed, sync mode, buckets or layout starts a new one."""
+    t = m.training
+    identity = {
+        "stack": m.stack,
+        "model": t.model,
+        "sync": t.sync,
+        "seed": t.seed,
+        "bucket_mb": t.bucket_mb,
+        "error_feedback": t.compression.error_feedback,
+        "shards": [s.model_dump(mode="json") for s in t.data_shards],
+        "layout": [
+            [r.name, [[n.name, n.gpu_type, n.gpus] for n in r.pool.nodes]] for r in m.regions
+        ],
+    }
+    digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:10]
     return f"{m.stack}-{digest}"

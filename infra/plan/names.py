@@ -1,0 +1,32 @@
+"""Derived names and address positions, valid and unique by construction.
+
+Kept apart from the plan so the model's checks can use them before a plan exists.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+GATEWAY_HOST_INDEX = 1
+"""A gateway's private IP is its region subnet's first host."""
+WORKER_HOST_OFFSET = 10
+"""Node j of a region (not the gateway) gets host 10 + j of the subnet."""
+IFNAME_MAX = 15
+"""Linux IFNAMSIZ - 1."""
+
+
+def ifname(prefix: str, peer: str) -> str:
+    """Interface towards region `peer`: prefix + name when that fits Linux's 15 characters;
+    else prefix + the name's start + '-' + 4 hex digits of its SHA-256, so names that
+    share a long prefix stay distinct (checks.py rejects the 1-in-65536 collision)."""
+    full = prefix + peer
+    if len(full) <= IFNAME_MAX:
+        return full
+    tag = hashlib.sha256(peer.encode()).hexdigest()[:4]
+    return f"{prefix}{peer[: IFNAME_MAX - len(prefix) - 5].rstrip('-')}-{tag}"
+
+
+def lab_netns(stack: str, node: str) -> str:
+    """The lab host's network namespace: the stack is in the name, so two stacks' labs
+    never share a namespace (netns names are file names: no length limit to respect)."""
+    return f"gt-{stack}-{node}"
