@@ -67,18 +67,28 @@ def validate(stack: str) -> None:
 )
 @friendly
 def render(stack: str, out: str) -> None:
-    """Write every artifact the Pulumi program would deliver."""
+    """Write every artifact the Pulumi program would deliver, and per host the bundle its
+    agent applies (DIR/bundles/<node>: `geotrain node apply --bundle` takes it)."""
     from infra.model import load_stack
     from infra.plan import build_plan
     from infra.render import render_all
+    from infra.render.bundle import render_bundle, runtime_wheel
+    from infra.render.host import role_for
 
-    arts = render_all(build_plan(load_stack(stack)))
+    plan = build_plan(load_stack(stack))
+    arts = render_all(plan)
     root = Path(out)
     for a in arts:
         p = root / a.path
         p.parent.mkdir(parents=True, exist_ok=True)
         p.write_text(a.content, encoding="utf-8")
-    click.echo(f"wrote {len(arts)} artifacts to {root}")
+    bundles = 0
+    for n in plan.nodes:
+        role = role_for(n.kind)
+        if role is not None:
+            render_bundle(plan, n, role, runtime_wheel()).write(root / "bundles" / n.name)
+            bundles += 1
+    click.echo(f"wrote {len(arts)} artifacts and {bundles} host bundles to {root}")
 
 
 @cli.command()

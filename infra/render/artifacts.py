@@ -4,13 +4,12 @@ what the components deliver."""
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
 from dataclasses import dataclass
 
 from infra.plan import Plan
+from infra.render.host import render_host, role_for
 from infra.render.monitoring import monitoring_files
-from infra.render.network import frr_daemons, render_frr, render_sysctl, render_wireguard
-from infra.render.runtime import render_k8s, render_launch_spec, render_worker_unit
+from infra.render.runtime import render_k8s, render_launch_spec
 
 
 @dataclass(frozen=True)
@@ -22,33 +21,22 @@ class Artifact:
     """Node that receives the file (None: the operator's machine / all)."""
 
 
-def render_all(plan: Plan, pubkeys: Mapping[str, str] | None = None) -> list[Artifact]:
+def render_all(plan: Plan) -> list[Artifact]:
+    """The launch spec; per node that runs the host agent its host files (`nodes/<node>/`,
+    the text of its bundle: host.json and what it installs); Kubernetes manifests; the
+    monitoring files."""
     spec_json = render_launch_spec(plan).to_json()
     out = [Artifact("launch-spec.json", spec_json)]
     for r in plan.regions:
-        gw = r.gateway.name
-        if r.kind != "local":
-            for t in plan.tunnels_of(r.name):
-                ifname = t.side(r.name).ifname
-                out.append(
-                    Artifact(
-                        f"nodes/{gw}/wireguard/{ifname}.conf",
-                        render_wireguard(plan, r.name, t, pubkeys),
-                        gw,
-                    )
-                )
-            out.append(Artifact(f"nodes/{gw}/frr/frr.conf", render_frr(plan, r.name), gw))
-            out.append(Artifact(f"nodes/{gw}/frr/daemons", frr_daemons(), gw))
-            out.append(Artifact(f"nodes/{gw}/sysctl.d/90-geotrain.conf", render_sysctl(), gw))
-        if r.kind == "ssh":
+        role = role_for(r.kind)
+        if role is not None:
             for n in r.nodes:
-                out.append(
-                    Artifact(
-                        f"nodes/{n.name}/systemd/geotrain-worker.service",
-                        render_worker_unit(plan, n),
-                        n.name,
-                    )
-                )
+                host, files = render_host(plan, n, role)
+                out.append(Artifact(f"nodes/{n.name}/host.json", host.to_json(), n.name))
+                out += [
+                    Artifact(f"nodes/{n.name}/{rel}", text, n.name)
+                    for rel, text in sorted(files.items())
+                ]
         if r.kind == "kubernetes":
             docs = render_k8s(plan, r, spec_json)
             out.append(Artifact(f"kubernetes/{r.name}.json", json.dumps(docs, indent=2) + "\n"))

@@ -42,13 +42,25 @@ def render_wireguard(
         f"MTU = {mtu}\n"
         "Table = off\n"
         f"PostUp = wg set %i private-key {key_dir}/private.key\n"
-        "\n[Peer]\n"
+        + (
+            f"PostUp = tc qdisc replace dev %i root {tbf(tunnel.shape_mbps)}\n"
+            if tunnel.shape_mbps
+            else ""
+        )
+        + "\n[Peer]\n"
         f"# {peer_gw}\n"
         f"PublicKey = {key}\n"
         f"Endpoint = {end.peer_underlay}:{end.peer_port}\n"
         "AllowedIPs = 0.0.0.0/0\n"
         "PersistentKeepalive = 15\n"
     )
+
+
+def tbf(mbps: int) -> str:
+    """A tc tbf shaping a tunnel to its link's rate: the burst holds at least one timer
+    tick of traffic (rate / HZ with HZ up to 250) and one MTU; latency bounds the queue."""
+    burst = max(32 * 1024, mbps * 1_000_000 // 8 // 250)
+    return f"tbf rate {mbps}mbit burst {burst} latency 50ms"
 
 
 def strip_wg_quick(conf: str) -> str:

@@ -17,6 +17,11 @@ from training.spec import (
 
 REMOTE_SPEC_PATH = "/etc/geotrain/launch-spec.json"
 REMOTE_VENV = "/opt/geotrain/.venv"
+REMOTE_STATE_DIR = "/var/lib/geotrain"
+"""The workers' working directory on hosts: relative paths of the spec resolve here."""
+REMOTE_RUN_DIR = f"{REMOTE_STATE_DIR}/run"
+SERVICE_USER = "geotrain"
+"""The system user workers run as on hosts."""
 
 
 def render_launch_spec(plan: Plan) -> LaunchSpec:
@@ -88,22 +93,40 @@ def render_launch_spec(plan: Plan) -> LaunchSpec:
 
 
 def render_worker_unit(plan: Plan, node: PlanNode) -> str:
-    """systemd unit that runs one node's workers (ssh pools)."""
+    """systemd unit that runs one node's workers (hosts the agent deploys to).
+
+    `geotrain launch` restarts its worker group itself (max_restarts, like torchrun's
+    agent), so systemd restarts only a launcher that was killed (on-abnormal), at most
+    max_restarts + 1 times an hour; exit 2 (bad input) is never restarted. The start-limit
+    keys belong to [Unit] (systemd ignores them in [Service]). Relative paths of the spec
+    (checkpoints, key) resolve against WorkingDirectory."""
     restarts = plan.model.training.max_restarts
+    after = ["network-online.target", "geotrain-firewall.service"]
+    if node.is_gateway:  # other regions are reachable once tunnels and BGP are up
+        after += ["frr.service"] + [
+            f"wg-quick@{t.side(node.region).ifname}.service" for t in plan.tunnels_of(node.region)
+        ]
     return (
         "[Unit]\n"
         f"Description=geotrain workers of {node.name} ({node.region}, run {plan.run_id})\n"
-        "After=network-online.target\nWants=network-online.target\n"
-        # the node reaches other regions only through the overlay: start after routing
-        + ("After=frr.service\n" if node.is_gateway else "")
-        + "\n[Service]\nType=simple\nUser=geotrain\n"
+        "Wants=network-online.target\n"
+        f"After={' '.join(after)}\n"
+        "StartLimitIntervalSec=3600\n"
+        f"StartLimitBurst={restarts + 1}\n"
+        "\n[Service]\n"
+        "Type=simple\n"
+        f"User={SERVICE_USER}\n"
+        f"Group={SERVICE_USER}\n"
+        f"WorkingDirectory={REMOTE_STATE_DIR}\n"
+        "Environment=PYTHONUNBUFFERED=1\n"
         f"ExecStart={REMOTE_VENV}/bin/geotrain launch --spec {REMOTE_SPEC_PATH} "
-        f"--node {node.name}\n"
-        "Restart=on-failure\nRestartSec=10\n"
-        # systemd gives up after max_restarts failures in the window, like torchrun
-        f"StartLimitBurst={restarts + 1}\nStartLimitIntervalSec=3600\n"
+        f"--node {node.name} --run-dir {REMOTE_RUN_DIR}\n"
+        "Restart=on-abnormal\n"
+        "RestartSec=10\n"
+        "RestartPreventExitStatus=2\n"
         "LimitNOFILE=1048576\n"
-        "\n[Install]\nWantedBy=multi-user.target\n"
+        "\n[Install]\n"
+        "WantedBy=multi-user.target\n"
     )
 
 

@@ -1,0 +1,465 @@
+"""Stage one of the host agent: standard library only, run by the host's own python3.
+
+It runs from the wheel inside the bundle (the bundle's `agent.py` puts that wheel on
+sys.path), so a fresh host needs nothing installed. Steps, each stopping with one clear
+line (host, step, what to do) and leaving the host as it was before the apply:
+1. verify: the manifest's digest is the one Pulumi rendered; every file matches it;
+2. packages: `apt-get update` once, then install what is missing;
+3. runtime: the venv at /opt/geotrain/.venv holds exactly the bundle's runtime (created
+   from the bundle's wheel when absent; a read-only shared venv must already match);
+then stage two (geotrain.agent.apply) runs in that venv with the same arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+from geotrain.agent.hostspec import HOSTSPEC_FILE, MANIFEST_FILE, HostSpec
+
+VENV = Path("/opt/geotrain/.venv")
+AGENT_HOME = Path("/opt/geotrain/agent")
+"""A copy of the agent (bootstrap + wheel) kept for `node remove`."""
+STATE_DIR = Path("/var/lib/geotrain/agent")
+LOCK = Path("/run/lock/geotrain-node.lock")
+BUNDLE_STORE = ".geotrain/bundles"
+"""Under the login user's home: where Pulumi copies bundles (CopyToRemote)."""
+KEEP_BUNDLES = 2
+
+
+class AgentError(Exception):
+    """One line for the operator: host, step, what failed and what to do."""
+
+    def __init__(self, host: str, step: str, message: str) -> None:
+        super().__init__(f"host {host}: step {step}: {message}")
+
+
+@contextlib.contextmanager
+def host_lock() -> Iterator[None]:
+    """One agent at a time per host (a second waits, so two applies never interleave)."""
+    LOCK.parent.mkdir(parents=True, exist_ok=True)
+    with open(LOCK, "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        yield
+
+
+# -- 1. verify -----------------------------------------------------------------------------
+def bundle_digest(bundle: Path) -> str:
+    return hashlib.sha256((bundle / MANIFEST_FILE).read_bytes()).hexdigest()
+
+
+def verify(bundle: Path, expect: str | None) -> tuple[dict[str, object], HostSpec]:
+    """The manifest and host spec, once every file is what was rendered."""
+    host = os.uname().nodename
+    step = "verify"
+    try:
+        manifest_bytes = (bundle / MANIFEST_FILE).read_bytes()
+    except OSError as e:
+        raise AgentError(
+            host,
+            step,
+            f"cannot read {bundle / MANIFEST_FILE} ({e.strerror}); copy the whole bundle "
+            "(`geotrain render --stack S --out DIR` writes one per node under DIR/bundles)",
+        ) from None
+    digest = hashlib.sha256(manifest_bytes).hexdigest()
+    if expect and digest != expect:
+        raise AgentError(
+            host,
+            step,
+            f"bundle {bundle} has digest {digest[:16]}, expected {expect[:16]}; the copy is "
+            "stale or was changed: copy the bundle again",
+        )
+    try:
+        manifest = json.loads(manifest_bytes)
+        files: dict[str, str] = manifest["files"]
+    except (ValueError, KeyError, TypeError):
+        raise AgentError(host, step, f"{bundle / MANIFEST_FILE} is not a bundle manifest") from None
+    for rel, want in sorted(files.items()):
+        p = bundle / rel
+        try:
+            got = hashlib.sha256(p.read_bytes()).hexdigest()
+        except OSError:
+            raise AgentError(
+                host, step, f"bundle file {rel} is missing from {bundle}; copy the bundle again"
+            ) from None
+        if got != want:
+            raise AgentError(
+                host,
+                step,
+                f"bundle file {rel} has digest {got[:16]}, the manifest says {want[:16]}; "
+                "the bundle was changed after rendering: copy it again",
+            )
+    try:
+        spec = HostSpec.from_json((bundle / HOSTSPEC_FILE).read_text())
+    except (OSError, ValueError, TypeError) as e:
+        raise AgentError(host, step, f"{HOSTSPEC_FILE} is unreadable: {e}") from None
+    return manifest, spec
+
+
+# -- 2. packages ---------------------------------------------------------------------------
+def installed(package: str) -> bool:
+    r = subprocess.run(
+        ["dpkg-query", "-W", "-f=${Status}", package], capture_output=True, text=True
+    )
+    return r.returncode == 0 and r.stdout.split() == ["install", "ok", "installed"]
+
+
+def missing_packages(spec: HostSpec, extra: tuple[str, ...] = ()) -> list[str]:
+    if shutil.which("dpkg-query") is None:
+        raise AgentError(
+            spec.node,
+            "packages",
+            "this host has no dpkg/apt; the agent supports Debian and Ubuntu hosts",
+        )
+    return [p for p in resolve(spec, [*spec.packages, *extra]) if not installed(p)]
+
+
+def install_packages(spec: HostSpec, extra: tuple[str, ...] = ()) -> list[str]:
+    """Install what is missing; returns what this call installed."""
+    missing = missing_packages(spec, extra)
+    if not missing:
+        return []
+    add_repos(spec)
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    for argv in (
+        ["apt-get", "update", "-qq"],
+        ["apt-get", "install", "-y", "-qq", "--no-install-recommends", *missing],
+    ):
+        r = subprocess.run(argv, capture_output=True, text=True, env=env)
+        if r.returncode != 0:
+            lines = [ln for ln in (r.stderr + r.stdout).splitlines() if ln.strip()]
+            why = next((ln for ln in reversed(lines) if ln.startswith("E:")), None)
+            raise AgentError(
+                spec.node,
+                "packages",
+                f"`{' '.join(argv[:2])}` failed for {', '.join(missing)}: "
+                f"{why or (lines[-1] if lines else 'exit ' + str(r.returncode))}; "
+                "check the host's apt sources and network; nothing else was changed",
+            )
+    return missing
+
+
+def host_facts() -> dict[str, str]:
+    """What repository lines and package names may depend on: `distro` as vendors name
+    their repositories (debian12, ubuntu2204), `arch` (x86_64, sbsa), `cuda` (the
+    driver's CUDA major, for NVIDIA's DCGM packages; empty without a driver)."""
+    release = {}
+    with contextlib.suppress(OSError):
+        for line in Path("/etc/os-release").read_text().splitlines():
+            k, _, v = line.partition("=")
+            release[k] = v.strip('"')
+    machine = os.uname().machine
+    cuda = ""
+    with contextlib.suppress(OSError):
+        out = subprocess.run(["nvidia-smi"], capture_output=True, text=True).stdout
+        if "CUDA Version:" in out:
+            cuda = out.split("CUDA Version:")[1].split()[0].split(".")[0]
+    return {
+        "distro": release.get("ID", "") + release.get("VERSION_ID", "").replace(".", ""),
+        "arch": "sbsa" if machine == "aarch64" else machine,
+        "cuda": cuda,
+    }
+
+
+def resolve(spec: HostSpec, names: list[str]) -> list[str]:
+    """Package names with `{cuda}` filled in."""
+    if not any("{cuda}" in n for n in names):
+        return names
+    cuda = host_facts()["cuda"]
+    if not cuda:
+        raise AgentError(
+            spec.node,
+            "packages",
+            "dcgm-exporter's packages follow the NVIDIA driver's CUDA version, and "
+            "nvidia-smi found no driver; install the driver first, or set "
+            "geotrain:monitoring.gpu_metrics: runtime",
+        )
+    return [n.replace("{cuda}", cuda) for n in names]
+
+
+def add_repos(spec: HostSpec) -> None:
+    """The spec's apt repositories: key to /etc/apt/keyrings/<name>.asc, line to
+    /etc/apt/sources.list.d/<name>.list (both removed by `node remove`)."""
+    import urllib.request
+
+    if not spec.repos:
+        return
+    facts = host_facts()
+    for repo in spec.repos:
+        keyring = Path(f"/etc/apt/keyrings/{repo.name}.asc")
+        listing = Path(f"/etc/apt/sources.list.d/{repo.name}.list")
+        if keyring.exists() and listing.exists():
+            continue
+        url = repo.key_url.format(**facts)
+        try:
+            with urllib.request.urlopen(url, timeout=30) as resp:
+                key = resp.read()
+        except OSError as e:
+            raise AgentError(
+                spec.node,
+                "packages",
+                f"cannot fetch the signing key of apt repository {repo.name} from {url} "
+                f"({e}); the host must reach it, or turn that service off in the stack",
+            ) from None
+        keyring.parent.mkdir(parents=True, exist_ok=True)
+        keyring.write_bytes(key)
+        listing.write_text(repo.line.format(keyring=keyring, **facts) + "\n")
+        _remember_list("added_files", [str(keyring), str(listing)])
+
+
+def wireguard_userspace() -> bool:
+    """True when the kernel has no WireGuard module (wireguard-go must carry tunnels)."""
+    if Path("/sys/module/wireguard").exists():
+        return False
+    try:
+        r = subprocess.run(["modprobe", "-n", "wireguard"], capture_output=True)
+    except OSError:  # no kmod on this host: no module can be loaded either
+        return True
+    return r.returncode != 0
+
+
+# -- 3. runtime ----------------------------------------------------------------------------
+def runtime_identity(venv: Path) -> dict[str, str] | None:
+    py = venv / "bin" / "python"
+    if not py.exists():
+        return None
+    r = subprocess.run([str(py), "-m", "geotrain.version"], capture_output=True, text=True)
+    if r.returncode != 0:
+        return None
+    try:
+        out: dict[str, str] = json.loads(r.stdout.strip().splitlines()[-1])
+        return out
+    except (ValueError, IndexError):
+        return None
+
+
+def ensure_runtime(bundle: Path, manifest: dict[str, object], node: str) -> bool:
+    """Make the venv hold the bundle's runtime; True when this call created the venv."""
+    want = dict(manifest["runtime"])  # type: ignore[call-overload]
+    have = runtime_identity(VENV)
+    ident = {"version": want["version"], "source_digest": want["source_digest"]}
+    if have == ident:
+        return False
+    wheel = bundle / str(want["wheel"])
+    created = False
+    if have is None and not (VENV / "bin" / "python").exists():
+        _run(node, "runtime", [sys.executable, "-m", "venv", str(VENV)], "python3-venv")
+        created = True
+    elif not os.access(VENV, os.W_OK):
+        raise AgentError(
+            node,
+            "runtime",
+            f"{VENV} holds runtime {_short(have)} but the bundle carries {_short(ident)}, "
+            "and the venv is read-only; rebuild the shared venv from this checkout",
+        )
+    pip = [str(VENV / "bin" / "python"), "-m", "pip", "install", "-q", "--no-cache-dir"]
+    _run(node, "runtime", [*pip, "--force-reinstall", "--no-deps", str(wheel)], None)
+    _run(node, "runtime", [*pip, str(wheel)], None)  # its dependencies, from the index
+    if runtime_identity(VENV) != ident:
+        raise AgentError(node, "runtime", f"{VENV} does not hold {_short(ident)} after install")
+    return created
+
+
+def _short(ident: dict[str, str] | None) -> str:
+    if not ident:
+        return "(none)"
+    return f"{ident['version']} ({ident['source_digest'][:12]})"
+
+
+def _run(node: str, step: str, argv: list[str], package_hint: str | None) -> None:
+    r = subprocess.run(argv, capture_output=True, text=True)
+    if r.returncode != 0:
+        lines = [ln for ln in (r.stderr + r.stdout).splitlines() if ln.strip()]
+        hint = f"; install {package_hint}" if package_hint else ""
+        raise AgentError(
+            node,
+            step,
+            f"`{' '.join(argv[:4])}` failed: {lines[-1] if lines else r.returncode}{hint}",
+        )
+
+
+# -- the agent's own copy (for `node remove`) --------------------------------------------
+def keep_agent_copy(bundle: Path, manifest: dict[str, object]) -> None:
+    """Copy agent.py and the wheel to /opt/geotrain/agent and /usr/local/sbin/geotrain-node,
+    so `node remove` works when the bundle is gone."""
+    wheel = bundle / str(dict(manifest["runtime"])["wheel"])  # type: ignore[call-overload]
+    AGENT_HOME.mkdir(parents=True, exist_ok=True)
+    tmp = AGENT_HOME / "geotrain.whl.tmp"
+    shutil.copyfile(wheel, tmp)
+    os.replace(tmp, AGENT_HOME / "geotrain.whl")
+    script = Path("/usr/local/sbin/geotrain-node")
+    script.write_text(
+        "#!/usr/bin/python3 -I\n"
+        '"""geotrain host agent (installed by `geotrain node apply`)."""\n'
+        "import sys\n"
+        f"sys.path.insert(0, {str(AGENT_HOME / 'geotrain.whl')!r})\n"
+        "from geotrain.agent.bootstrap import main\n"
+        "main()\n"
+    )
+    script.chmod(0o755)
+
+
+def remove_agent_copy() -> None:
+    Path("/usr/local/sbin/geotrain-node").unlink(missing_ok=True)
+    shutil.rmtree(AGENT_HOME, ignore_errors=True)
+    with contextlib.suppress(OSError):
+        AGENT_HOME.parent.rmdir()  # /opt/geotrain, when nothing else is in it
+
+
+def prune_bundles(current: Path) -> None:
+    """Keep the current bundle and the one before it in the bundle store."""
+    store = current.parent
+    if store.name != "bundles":
+        return
+    others = sorted(
+        (p for p in store.iterdir() if p.is_dir() and p != current),
+        key=lambda p: p.stat().st_mtime,
+        reverse=True,
+    )
+    for old in others[KEEP_BUNDLES - 1 :]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+# -- commands ------------------------------------------------------------------------------
+def stage_two(argv: list[str], stdin: bytes | None) -> int:
+    py = VENV / "bin" / "python"
+    r = subprocess.run([str(py), "-m", "geotrain.agent.apply", *argv], input=stdin)
+    return r.returncode
+
+
+def cmd_prepare(args: argparse.Namespace) -> int:
+    """Packages and the gateway's WireGuard key; prints the public key (never the private
+    key, which is made here and never leaves the host)."""
+    bundle = Path(args.bundle).resolve()
+    with host_lock():
+        _, spec = verify(bundle, args.digest)
+        extra = ("wireguard-go",) if spec.tunnels and wireguard_userspace() else ()
+        installed_now = install_packages(spec, extra)
+        _remember_packages(installed_now)
+        key_dir = Path(spec.wireguard_key_dir)
+        key = key_dir / "private.key"
+        if not key.exists():
+            made = [str(d) for d in (key_dir, *key_dir.parents) if not d.exists()]
+            key_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+            _remember_list("created_dirs", made)
+            private = subprocess.run(["wg", "genkey"], capture_output=True, text=True, check=True)
+            fd = os.open(key, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(private.stdout)
+        public = subprocess.run(
+            ["wg", "pubkey"], input=key.read_text(), capture_output=True, text=True, check=True
+        ).stdout.strip()
+    print(public)  # the only output: Pulumi passes it to the peers as it is
+    return 0
+
+
+def cmd_apply(args: argparse.Namespace) -> int:
+    bundle = Path(args.bundle).resolve()
+    stdin = sys.stdin.buffer.read() if args.secrets_stdin else None
+    with host_lock():
+        manifest, spec = verify(bundle, args.digest)
+        extra = ("wireguard-go",) if spec.tunnels and wireguard_userspace() else ()
+        _remember_packages(install_packages(spec, extra))
+        if ensure_runtime(bundle, manifest, spec.node):
+            _remember("created_venv", True)
+        keep_agent_copy(bundle, manifest)
+        argv = ["apply", "--bundle", str(bundle)]
+        if args.secrets_stdin:
+            argv.append("--secrets-stdin")
+        rc = stage_two(argv, stdin)
+        if rc == 0:
+            prune_bundles(bundle)
+        return rc
+
+
+def cmd_remove(args: argparse.Namespace) -> int:
+    with host_lock():
+        state = _state()
+        if (VENV / "bin" / "python").exists() and (STATE_DIR / "state.json").exists():
+            rc = stage_two(["remove", *(["--purge"] if args.purge else [])], None)
+            if rc != 0:
+                return rc
+        packages = [str(p) for p in state.get("installed_packages", [])]  # type: ignore[attr-defined]
+        if packages:
+            env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+            subprocess.run(
+                ["apt-get", "remove", "-y", "-qq", *packages], capture_output=True, env=env
+            )
+        for added in state.get("added_files", []):  # type: ignore[attr-defined]
+            Path(added).unlink(missing_ok=True)
+        # deepest first: the WireGuard key dir, then /etc/geotrain when prepare made it
+        for made in sorted(state.get("created_dirs", []), key=len, reverse=True):  # type: ignore[call-overload]
+            shutil.rmtree(made, ignore_errors=True)
+        if state.get("created_venv"):
+            shutil.rmtree(VENV, ignore_errors=True)
+        shutil.rmtree(STATE_DIR, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            STATE_DIR.parent.rmdir()  # /var/lib/geotrain, when it holds nothing kept
+        remove_agent_copy()
+    print(json.dumps({"removed": True}))
+    return 0
+
+
+def _state() -> dict[str, object]:
+    try:
+        out: dict[str, object] = json.loads((STATE_DIR / "bootstrap.json").read_text())
+        return out
+    except (OSError, ValueError):
+        return {}
+
+
+def _remember(key: str, value: object) -> None:
+    state = _state()
+    state[key] = value
+    STATE_DIR.mkdir(parents=True, exist_ok=True, mode=0o700)
+    (STATE_DIR / "bootstrap.json").write_text(json.dumps(state, indent=1))
+
+
+def _remember_list(key: str, new: list[str]) -> None:
+    if new:
+        old = list(_state().get(key, []))  # type: ignore[call-overload]
+        _remember(key, sorted({*old, *new}))
+
+
+def _remember_packages(new: list[str]) -> None:
+    _remember_list("installed_packages", new)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="geotrain-node", description=__doc__)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    for name in ("prepare", "apply"):
+        p = sub.add_parser(name)
+        p.add_argument("--bundle", required=True, help="Bundle directory on this host.")
+        p.add_argument("--digest", help="Expected bundle digest (sha256 of manifest.json).")
+        if name == "apply":
+            p.add_argument(
+                "--secrets-stdin",
+                action="store_true",
+                help="Read the run key and peers' WireGuard public keys as JSON on stdin.",
+            )
+    p = sub.add_parser("remove")
+    p.add_argument("--purge", action="store_true", help="Also delete kept data (checkpoints).")
+    args = ap.parse_args(argv)
+    if os.geteuid() != 0:
+        print("geotrain-node: error: the host agent needs root (run it with sudo)", file=sys.stderr)
+        sys.exit(2)
+    try:
+        rc = {"prepare": cmd_prepare, "apply": cmd_apply, "remove": cmd_remove}[args.cmd](args)
+    except AgentError as e:
+        print(f"geotrain-node: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    sys.exit(rc)
+
+
+if __name__ == "__main__":
+    main()

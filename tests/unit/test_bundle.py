@@ -1,0 +1,108 @@
+"""Bundles and host descriptions: deterministic, complete, verified by the agent's first
+stage; the agent's pure helpers (no root)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from geotrain.agent import bootstrap
+from geotrain.agent.apply import Secrets, _remove_tree_except, _set_keys
+from geotrain.agent.bootstrap import AgentError
+from geotrain.agent.hostspec import HostSpec
+from infra.model import load_stack
+from infra.plan import build_plan
+from infra.render.bundle import render_bundle, runtime_wheel
+from infra.render.host import ROLES, render_firewall, render_host
+
+
+def _global_bundle(node: str = "bj-0"):  # type: ignore[no-untyped-def]
+    plan = build_plan(load_stack("global"))
+    return render_bundle(plan, plan.node(node), ROLES["ssh"], runtime_wheel())
+
+
+def test_the_same_stack_renders_the_same_bundle_digest() -> None:
+    assert _global_bundle().digest == _global_bundle().digest
+
+
+def test_a_changed_file_changes_the_digest_and_the_agent_refuses_a_stale_copy(
+    tmp_path: Path,
+) -> None:
+    b = _global_bundle()
+    b.write(tmp_path / "b")
+    bootstrap.verify(tmp_path / "b", b.digest)  # intact: passes
+    (tmp_path / "b" / "launch-spec.json").write_text("{}")
+    with pytest.raises(AgentError, match=r"step verify: bundle file launch-spec\.json has digest"):
+        bootstrap.verify(tmp_path / "b", b.digest)
+    other = b.replace("launch-spec.json", b"{}")
+    assert other.digest != b.digest
+    with pytest.raises(AgentError, match="expected"):
+        bootstrap.verify(tmp_path / "b", other.digest[:8] + b.digest[8:])
+
+
+def test_host_spec_round_trips_through_json() -> None:
+    plan = build_plan(load_stack("global"))
+    spec, _ = render_host(plan, plan.node("fra-0"), ROLES["ssh"])
+    assert HostSpec.from_json(spec.to_json()) == spec
+
+
+def test_a_gateway_gets_tunnels_frr_forwarding_and_no_private_key() -> None:
+    plan = build_plan(load_stack("global"))
+    spec, files = render_host(plan, plan.node("bj-0"), ROLES["ssh"])
+    assert {t.peer_node for t in spec.tunnels} == {"fra-0", "sv-0"}
+    assert spec.frr is not None and spec.sysctl_src is not None
+    assert all("PrivateKey" not in text for text in files.values())
+    assert {"wireguard-tools", "frr", "nftables"} <= set(spec.packages)
+    worker = files["systemd/geotrain-worker.service"]
+    unit, service = worker.split("[Service]")
+    assert "StartLimitBurst=" in unit and "StartLimitIntervalSec=" in unit
+    assert "WorkingDirectory=/var/lib/geotrain" in service
+
+
+def test_a_worker_routes_the_overlay_via_its_gateway_and_runs_no_frr() -> None:
+    plan = build_plan(load_stack("global"))
+    spec, _ = render_host(plan, plan.node("bj-1"), ROLES["ssh"])
+    assert [(r.dst, r.via) for r in spec.routes] == [("10.42.0.0/16", "10.42.1.1")]
+    assert spec.frr is None and spec.tunnels == ()
+    assert spec.addresses[0].address == "10.42.1.11/24"
+    assert spec.addresses[0].near == "192.0.2.11"
+
+
+def test_the_firewall_admits_the_overlay_the_admins_and_the_peer_gateways_only() -> None:
+    plan = build_plan(load_stack("global"))
+    gw = render_firewall(plan, plan.node("bj-0"))
+    assert "policy drop" in gw
+    assert "10.42.0.0/16" in gw
+    assert "tcp dport 22 ip saddr @admin accept" in gw
+    assert "udp dport { 51821, 51822 } ip saddr { 198.51.100.10, 203.0.113.10 } accept" in gw
+    assert "chain forward" in gw
+    worker = render_firewall(plan, plan.node("bj-1"))
+    assert "udp dport" not in worker and "chain forward" not in worker
+    mon = render_firewall(plan, plan.node("fra-0"))  # the monitoring host: its UIs for admins
+    assert "tcp dport { 9090, 9093, 3000 } ip saddr @admin accept" in mon
+
+
+def test_debians_frr_daemons_file_keeps_every_other_setting() -> None:
+    text = '# comment\nbgpd=no\nospfd=no\nvtysh_enable=yes\nzebra_options="  -A 127.0.0.1"\n'
+    out = _set_keys(text, {"bgpd": "yes", "bfdd": "yes"})
+    assert "bgpd=yes" in out and "bfdd=yes" in out
+    assert "ospfd=no" in out and 'zebra_options="  -A 127.0.0.1"' in out and "# comment" in out
+
+
+def test_remove_keeps_checkpoint_dirs_inside_dirs_it_deletes(tmp_path: Path) -> None:
+    root = tmp_path / "var-lib-geotrain"
+    (root / "run").mkdir(parents=True)
+    (root / "run" / "events.jsonl").write_text("{}")
+    (root / "checkpoints" / "step-2").mkdir(parents=True)
+    _remove_tree_except(root, [root / "checkpoints"])
+    assert not (root / "run").exists()
+    assert (root / "checkpoints" / "step-2").is_dir()
+
+
+def test_secrets_on_stdin_must_be_the_json_object() -> None:
+    s = Secrets.parse(json.dumps({"run_key": "ab", "wireguard": {"fra-0": "K"}}).encode(), "n")
+    assert s.run_key == "ab" and s.wireguard == {"fra-0": "K"} and s.files == {}
+    with pytest.raises(AgentError, match="step secrets"):
+        Secrets.parse(b"not json", "bj-0")
