@@ -22,6 +22,7 @@ from infra.model.load import PREFIX, TOP_KEYS
 from infra.model.schema import StackModel
 
 COMMAND_TYPES = ("command:local:Command", "command:remote:Command")
+RANDOM_BYTES = "random:index/randomBytes:RandomBytes"
 
 
 @dataclass
@@ -48,9 +49,12 @@ class GeotrainMocks(Mocks):
     def new_resource(self, args: MockResourceArgs) -> tuple[str | None, dict[str, Any]]:
         state = dict(args.inputs)
         if args.typ in COMMAND_TYPES:
-            # a stand-in public/run key: 44 base64-like chars derived from the name
+            # a stand-in public key: 44 base64-like chars derived from the name
             state["stdout"] = hashlib.sha256(args.name.encode()).hexdigest()[:43] + "="
             state["stderr"] = ""
+        if args.typ == RANDOM_BYTES:
+            # a stand-in run key (deterministic, so graphs and checks are repeatable)
+            state["hex"] = hashlib.sha256(args.name.encode()).hexdigest()
         return f"{args.name}-id", state
 
     def call(self, args: Any) -> tuple[dict[str, Any], list[tuple[str, str]] | None]:
@@ -95,17 +99,13 @@ def unsecret(value: Any) -> Any:
     return value
 
 
-def is_secret(value: Any) -> bool:
-    return isinstance(value, dict) and SECRET_SIG in value
-
-
 def run_under_mocks(model: StackModel) -> Recording:
     """Run the program for `model` under mocks and return what it registered."""
     from infra.program import program
 
     recording = Recording()
     mocks = GeotrainMocks()
-    pulumi.runtime.set_all_config(_config_of(model))
+    pulumi.runtime.set_all_config(config_of(model))
     pulumi.runtime.set_mocks(
         mocks,
         project="geotrain",
@@ -123,7 +123,7 @@ def run_under_mocks(model: StackModel) -> Recording:
     return recording
 
 
-def _config_of(model: StackModel) -> dict[str, str]:
+def config_of(model: StackModel) -> dict[str, str]:
     """The model as Pulumi config, so code that reads config under mocks sees the stack."""
     raw = model.model_dump(mode="json")
     return {PREFIX + k: json.dumps(raw[k]) for k in TOP_KEYS}

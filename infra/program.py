@@ -9,6 +9,7 @@ from typing import Any
 import pulumi
 
 from infra import outputs
+from infra.backends import BackendContext
 from infra.components.monitoring import Monitoring, MonitoringArgs
 from infra.components.network import Overlay, OverlayArgs, Routing, RoutingArgs
 from infra.components.pool import RegionPool, RegionPoolArgs
@@ -19,15 +20,15 @@ from infra.plan import build_plan
 
 def program(model: StackModel) -> dict[str, Any]:
     """Wire the components for `model`; export and return the stack outputs."""
-    plan = build_plan(model)
-    pools = [RegionPool(f"{r.name}-pool", RegionPoolArgs(plan, r)) for r in plan.regions]
-    overlay = Overlay("overlay", OverlayArgs(plan), pulumi.ResourceOptions(depends_on=pools))
-    routing = Routing("routing", RoutingArgs(plan, overlay))
-    monitoring = Monitoring(
-        "monitoring", MonitoringArgs(plan), pulumi.ResourceOptions(depends_on=[routing])
+    ctx = BackendContext(build_plan(model))
+    pools = [RegionPool(f"{r.name}-pool", RegionPoolArgs(ctx, r)) for r in ctx.plan.regions]
+    overlay = Overlay("overlay", OverlayArgs(ctx), pulumi.ResourceOptions(depends_on=pools))
+    routing = Routing("routing", RoutingArgs(ctx, overlay))
+    monitoring = Monitoring("monitoring", MonitoringArgs(ctx))
+    training = TrainingDeployment(
+        "training", TrainingDeploymentArgs(ctx, [*pools, overlay, routing, monitoring])
     )
-    training = TrainingDeployment("training", TrainingDeploymentArgs(plan, [*pools, routing]))
-
+    plan = ctx.plan
     exports: dict[str, Any] = {
         outputs.LAUNCH_SPEC: training.launch_spec,
         outputs.RUN_ID: plan.run_id,
@@ -35,6 +36,8 @@ def program(model: StackModel) -> dict[str, Any]:
         outputs.REGIONS: json.dumps({r.name: r.jurisdiction for r in plan.regions}),
         outputs.WIREGUARD_PUBLIC_KEYS: overlay.public_keys,
         outputs.PROMETHEUS_URL: monitoring.prometheus_url,
+        outputs.GRAFANA_URL: monitoring.grafana_url,
+        outputs.GRAFANA_ADMIN_PASSWORD: ctx.grafana_password or "",
     }
     for key, value in exports.items():
         pulumi.export(key, value)

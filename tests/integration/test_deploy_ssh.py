@@ -1,0 +1,246 @@
+"""`pulumi up` of an ssh stack against real hosts (root): the Pulumi program runs under
+mocks and every command, copy and random resource it registers is carried out over real
+SSH against namespace hosts with their own root filesystem, systemd and sshd
+(infra/replay.py follows pulumi-command's create/update/replace/delete semantics).
+
+One deployment's life: up, a second up, a codec and tag change, a change that concerns
+one host, destroy. The fixture runs it once and records what each phase did; each test
+checks one phase's outcome.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from infra.model import load_stack
+from infra.replay import Deployment, Replay
+from tests.integration import fleet as F
+
+MISSING = [
+    c
+    for c in ("ip", "nsenter", "sshd", "ssh", "sftp", "sudo", "nft", "vtysh", "wireguard-go")
+    if not shutil.which(c) and not os.path.exists(f"/usr/sbin/{c}")
+]
+pytestmark = [
+    pytest.mark.root,
+    pytest.mark.timeout(1200),
+    pytest.mark.skipif(os.geteuid() != 0, reason="needs root for namespace hosts"),
+    pytest.mark.skipif(bool(MISSING), reason=f"missing {', '.join(MISSING)} (.ci/run installs)"),
+]
+GATEWAYS = ("bj-gw", "fra-0", "sv-0")
+LEADERS = ("bj-gw", "fra-0", "sv-0")
+"""The hosts of each region's local rank 0: they write the region's step and done events."""
+TRAIN_TIMEOUT_S = 600
+
+
+@dataclass
+class Life:
+    up: Deployment | None = None
+    bgp: dict[str, int] = field(default_factory=dict)
+    routes: dict[str, str] = field(default_factory=dict)
+    first: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    firewall: dict[str, str] = field(default_factory=dict)
+    again: Deployment | None = None
+    change: Deployment | None = None
+    after_change: dict[str, Any] = field(default_factory=dict)
+    second: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    one_host: Deployment | None = None
+    destroy: Deployment | None = None
+    left: dict[str, list[str]] = field(default_factory=dict)
+
+
+def _events(fl: F.Fleet, node: str) -> list[dict[str, Any]]:
+    text = fl.hosts[node].sh("cat /var/lib/geotrain/run/events.jsonl 2>/dev/null", check=False)
+    return [json.loads(ln) for ln in text.splitlines() if ln.endswith("}")]
+
+
+def _worker(fl: F.Fleet, node: str) -> dict[str, str]:
+    out = fl.hosts[node].sh(
+        "systemctl show geotrain-worker -p ActiveState -p Result -p InvocationID", check=False
+    )
+    return dict(ln.split("=", 1) for ln in out.splitlines() if "=" in ln)
+
+
+def _logs(fl: F.Fleet) -> str:
+    return "\n".join(
+        f"--- {n}\n"
+        + h.sh("tail -n 4 /var/lib/geotrain/run/logs/*.log 2>&1 | tail -n 12", check=False)
+        for n, h in fl.hosts.items()
+    )
+
+
+def _wait_trained(fl: F.Fleet, since: dict[str, str]) -> dict[str, list[dict[str, Any]]]:
+    """Until every host's worker service finished a run it started after `since`
+    (InvocationIDs); returns each region leader's events."""
+    deadline = time.monotonic() + TRAIN_TIMEOUT_S
+    while True:
+        states = {n: _worker(fl, n) for n in fl.hosts}
+        failed = [n for n, s in states.items() if s.get("Result") not in ("success", None)]
+        assert not failed, f"worker failed on {failed}: {states}\n{_logs(fl)}"
+        done = all(
+            s.get("ActiveState") == "inactive" and s.get("InvocationID") != since.get(n)
+            for n, s in states.items()
+        )
+        if done:
+            return {n: _events(fl, n) for n in LEADERS}
+        assert time.monotonic() < deadline, f"training did not finish: {states}\n{_logs(fl)}"
+        time.sleep(2)
+
+
+def _bgp(fl: F.Fleet, wait_s: float = 60) -> dict[str, int]:
+    deadline = time.monotonic() + wait_s
+    while True:
+        out = {}
+        for gw in GATEWAYS:
+            raw = fl.hosts[gw].sh("vtysh -c 'show bgp summary json'", check=False) or "{}"
+            peers = json.loads(raw).get("ipv4Unicast", {}).get("peers", {})
+            out[gw] = sum(p.get("state") == "Established" for p in peers.values())
+        if all(v == 2 for v in out.values()) or time.monotonic() > deadline:
+            return out
+        time.sleep(1)
+
+
+def _changed(doc: dict[str, Any], **training: Any) -> dict[str, Any]:
+    d = copy.deepcopy(doc)
+    for k, v in training.items():
+        d["config"]["geotrain:training"][k] = v
+    return d
+
+
+@pytest.fixture(scope="module")
+def life(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Life]:
+    root = tmp_path_factory.mktemp("sshfleet")
+    doc = F.stack_doc("sshfleet", steps=6)
+    stack = F.write_stack(root / "Pulumi.sshfleet.yaml", doc)
+    life = Life()
+    with F.fleet(root / "fleet", doc) as fl:
+        baseline = {n: fl.snapshot(n) for n in fl.hosts}
+        replay = Replay(
+            root / "state.json", fl.executor(), {"geotrain:sshPrivateKey": fl.private_key()}
+        )
+        life.up = replay.up(load_stack(str(stack)))
+        life.bgp = _bgp(fl)
+        life.routes = {gw: fl.hosts[gw].sh("ip route get 10.42.1.11") for gw in ("fra-0", "sv-0")}
+        life.first = _wait_trained(fl, {})
+        life.firewall = {
+            "outsider->bj-w1 node-exporter": fl.can_connect(fl.outsider, "10.42.1.11", 9100),
+            "outsider->bj-w1 ssh": fl.can_connect(fl.outsider, "198.18.1.11", 22),
+            "bj-gw->bj-w1 node-exporter": fl.can_connect("gt-fl-bj-gw", "10.42.1.11", 9100),
+            "operator->bj-w1 ssh": fl.can_connect(fl.operator, "198.18.1.11", 22),
+        }
+        life.again = replay.up(load_stack(str(stack)))
+
+        # the codec and a tag change: every host's spec changes, no host is replaced
+        invocations = {n: _worker(fl, n).get("InvocationID", "") for n in fl.hosts}
+        keys = {n: fl.hosts[n].sh("sha256sum /etc/geotrain/run.key") for n in fl.hosts}
+        changed = _changed(doc, compression={"quantize": "int4", "cipher": "sm4-gcm"})
+        changed["config"]["geotrain:tags"]["owner"] = "fleet-test-2"
+        life.change = replay.up(load_stack(str(F.write_stack(stack, changed))))
+        life.after_change = {
+            "quantize": {
+                n: json.loads(fl.hosts[n].sh("cat /etc/geotrain/launch-spec.json"))["codec"][
+                    "quantize"
+                ]
+                for n in fl.hosts
+            },
+            "keys_kept": all(
+                fl.hosts[n].sh("sha256sum /etc/geotrain/run.key") == keys[n] for n in fl.hosts
+            ),
+            "bgp": _bgp(fl),
+        }
+        life.second = _wait_trained(fl, invocations)
+
+        # a change that concerns the monitoring host only
+        one = copy.deepcopy(changed)
+        one["config"]["geotrain:monitoring"]["scrape_interval_s"] = 30
+        life.one_host = replay.up(load_stack(str(F.write_stack(stack, one))))
+
+        life.destroy = replay.destroy()
+        life.left = {n: F.diff(baseline[n], fl.snapshot(n)) for n in fl.hosts}
+        for n, h in fl.hosts.items():
+            extra = h.sh(
+                "ip -o link | grep -o 'wg-[^:@]*' ; ip -4 -o addr | grep -o '10\\.42[0-9./]*' ; "
+                "pgrep -a -f 'geotrain|wireguard-go|bgpd|bfdd' ; "
+                "systemctl list-units --no-legend 'geotrain*' 'wg-quick*'",
+                check=False,
+            ).split("\n")
+            life.left[n] += [f"running: {x}" for x in extra if x.strip()]
+        yield life
+
+
+def _ops(d: Deployment | None, op: str, suffix: str) -> list[str]:
+    assert d is not None
+    return sorted(n for n in d.ops(op) if n.endswith(suffix))
+
+
+def test_up_copies_each_bundle_and_runs_the_agent_once_per_host(life: Life) -> None:
+    assert len(_ops(life.up, "create", "-bundle")) == 4
+    assert len(_ops(life.up, "create", "-wgkey")) == 3
+    assert len(_ops(life.up, "create", "-agent")) == 4
+    assert life.up is not None and life.up.ops("delete") == []
+
+
+def test_every_bgp_session_establishes_over_wireguard(life: Life) -> None:
+    assert life.bgp == {gw: 2 for gw in GATEWAYS}
+    for gw, route in life.routes.items():
+        assert " dev wg-" in route, f"{gw}: {route}"
+
+
+def test_a_three_region_training_completes_with_the_codec_and_equal_replicas(life: Life) -> None:
+    done = {n: [e for e in ev if e.get("event") == "done"] for n, ev in life.first.items()}
+    assert all(done.values()), done
+    digests = {d[-1]["digest"] for d in done.values()}
+    assert len(digests) == 1, done  # every region ends with the same weights
+    steps = [e for e in life.first["bj-gw"] if e.get("event") == "step"]
+    assert steps and steps[-1]["cross_wire"] > 0
+    assert steps[-1]["cross_wire"] < steps[-1]["cross_raw"]  # compressed across regions
+
+
+def test_the_firewall_admits_the_region_and_admins_and_drops_everyone_else(life: Life) -> None:
+    assert life.firewall == {
+        "outsider->bj-w1 node-exporter": "dropped",
+        "outsider->bj-w1 ssh": "dropped",
+        "bj-gw->bj-w1 node-exporter": "open",
+        "operator->bj-w1 ssh": "open",
+    }
+
+
+def test_a_second_up_changes_nothing(life: Life) -> None:
+    assert life.again is not None
+    assert life.again.changed() == []
+
+
+def test_a_codec_and_tag_change_updates_hosts_in_place_and_restarts_workers(life: Life) -> None:
+    d = life.change
+    assert d is not None
+    assert len(_ops(d, "update", "-agent")) == 4  # applied in place, never re-created
+    assert _ops(d, "replace", "-agent") == [] and _ops(d, "delete", "-agent") == []
+    assert len(_ops(d, "replace", "-bundle")) == 4  # a new bundle is a new copy
+    assert set(life.after_change["quantize"].values()) == {"int4"}
+    assert life.after_change["keys_kept"] is True
+    assert life.after_change["bgp"] == {gw: 2 for gw in GATEWAYS}
+    for node, ev in life.second.items():
+        starts = [e for e in ev if e.get("event") == "resume"]
+        assert starts, f"{node}: workers did not resume the run on the new spec"
+        assert [e for e in ev if e.get("event") == "done"], node
+
+
+def test_a_change_for_one_host_touches_only_that_host(life: Life) -> None:
+    assert life.one_host is not None
+    touched = {s.name for s in life.one_host.changed()}
+    assert touched and all("fra-0" in name for name in touched), touched
+
+
+def test_destroy_returns_every_host_to_how_it_was(life: Life) -> None:
+    assert life.destroy is not None
+    assert len(_ops(life.destroy, "delete", "-agent")) == 4
+    assert life.left == {n: [] for n in life.left}
