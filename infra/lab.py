@@ -1,44 +1,56 @@
-"""The `lab` backend: a stack's regions as network namespaces on one Linux host (root).
+"""The `lab` backend: a stack's nodes as simulated hosts on one Linux machine (root),
+configured by the same host agent and bundles that `pulumi up` delivers to SSH hosts.
 
-Per node a namespace `gt-<node>`. Per region a bridge `br0` in the gateway's namespace
-(the region subnet's .1) with a veth to every worker. Per link a veth pair between the two
-gateways (the "internet", a /30 from network.underlay_cidr) shaped with `tc tbf` to the
-link's bandwidth. Over it, one wireguard-go interface per peer and FRR (zebra, bgpd, bfdd)
-per gateway, configured by the same renderers `pulumi up` uses for SSH hosts.
+The lab builds only what a datacenter would give a real host, then runs the agent:
+- per node a host (`infra.hosts.Host`): its own network namespace `gt-<stack>-<node>`,
+  a private root (overlayfs over `/`) and a real systemd as PID 1;
+- per region a LAN: a bridge in the lab's switch namespace `gt-<stack>-sw`, with each
+  host's `eth0` plugged in;
+- per link a cable between the two gateways (the "internet"): a veth pair `u-<peer>`
+  with a /30 from network.underlay_cidr.
+Then, per host, the agent (`geotrain node prepare/apply`, entered with nsenter instead of
+SSH) installs the rest from the node's bundle: the region address on eth0, the route to
+the overlay, WireGuard tunnels (wg-quick; wireguard-go where the kernel has no module)
+shaped with tc to the link's bandwidth, FRR bgpd + bfdd, the nftables firewall.
 
-wireguard-go's control sockets live in /run/wireguard, shared by all namespaces, and every
-gateway has an interface named after its peer: so each gateway's commands run with its
-own directory bind-mounted there (inside `ip netns exec`'s private mount namespace).
-
-`lab_down` removes every namespace, process and file the lab made, also after a failed
-`lab_up`; it finds them from the plan, not from state the failed run may not have written.
+`lab_down` removes every namespace, process, cgroup and file of the lab, also after a
+failed `lab_up`; it finds them from the plan, not from state a failed run may not have
+written.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
-import os
 import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
 
-from infra.plan import Plan, PlanRegion, Tunnel
-from infra.render import render_frr, render_wireguard
-from infra.render.network import strip_wg_quick
+from geotrain.agent.bootstrap import missing_packages
+from geotrain.agent.hostspec import HostSpec
+from infra.hosts import Bind, Host, find_systemd, remove_cgroups, stop_netns_processes
+from infra.plan import Plan, PlanNode, Tunnel
+from infra.render.bundle import render_bundle, runtime_wheel
+from infra.render.host import ROLES
 from training.errors import LabError
 
-WG_RUN = Path("/run/geotrain-wg")
-FRR_ETC, FRR_RUN = Path("/etc/frr"), Path("/var/run/frr")
-FRR_DAEMONS = ("zebra", "bfdd", "bgpd")
-FRR_BIN = Path("/usr/lib/frr")
+ROLE = ROLES["lab"]
+"""Lab hosts get the network, firewall and monitoring parts of their bundle; their
+workers are started by `geotrain train` (with its restarts and report)."""
+VENV_IN_HOST = "/opt/geotrain/.venv"
+BUNDLE_IN_HOST = "/root/.geotrain/bundles"
 NEEDS = {
     "ip": "iproute2",
-    "tc": "iproute2",
+    "nsenter": "util-linux",
+    "unshare": "util-linux",
+    "tar": "tar",
     "wg": "wireguard-tools",
     "wireguard-go": "wireguard-go",
     "vtysh": "frr",
+    "nft": "nftables",
 }
 
 
@@ -49,42 +61,82 @@ def sh(*args: str, check: bool = True, input: str | None = None) -> str:
     return r.stdout
 
 
-def ns_sh(ns: str, script: str, check: bool = True, input: str | None = None) -> str:
-    """A shell script in namespace `ns`, with ns's own wireguard socket directory."""
-    wg = WG_RUN / ns
-    return sh(
-        "ip",
-        "netns",
-        "exec",
-        ns,
-        "sh",
-        "-c",
-        f"mount --bind {wg} /run/wireguard && {script}",
-        check=check,
-        input=input,
-    )
+def switch_netns(plan: Plan) -> str:
+    return f"gt-{plan.stack}-sw"
 
 
-def preflight() -> None:
+def preflight(plan: Plan | None = None) -> None:
+    import os
+
     if os.geteuid() != 0:
         raise LabError("the lab needs root (network namespaces); run it as root or with sudo")
     missing = [f"{cmd} (package {pkg})" for cmd, pkg in NEEDS.items() if not shutil.which(cmd)]
-    if not (FRR_BIN / "bgpd").exists():
-        missing.append("/usr/lib/frr/bgpd (package frr)")
+    if not Path("/lib/systemd/systemd").exists():
+        missing.append("/lib/systemd/systemd (package systemd)")
     if missing:
         raise LabError(
-            f"missing {', '.join(missing)}; install with `apt-get install -y "
-            "iproute2 wireguard-tools wireguard-go frr`"
+            f"missing {', '.join(missing)}; install with `apt-get install -y iproute2 "
+            "util-linux wireguard-tools wireguard-go frr nftables systemd`"
         )
+    if sys.prefix == sys.base_prefix:
+        raise LabError(
+            "the lab's hosts share this interpreter's venv as their runtime; run geotrain "
+            "from its venv (`make setup`, then .venv/bin/geotrain)"
+        )
+    if plan is not None:
+        packages: set[str] = set()
+        for n in plan.nodes:
+            packages |= set(_host_spec(plan, n).packages)
+        need = missing_packages(
+            HostSpec(
+                stack=plan.stack, node="lab", region="", run_id="", packages=tuple(sorted(packages))
+            )
+        )
+        if need:
+            raise LabError(
+                f"lab hosts have no network to install packages: install "
+                f"{' '.join(need)} on this machine first (`apt-get install -y {' '.join(need)}`)"
+            )
 
 
-def veth_short(peer: str) -> str:
-    return ("u-" + peer)[:15]
+def fingerprint(plan: Plan) -> str:
+    """Digest of everything the lab's hosts are given (changes when a rendered file of any
+    host changes); the Pulumi lab resource is rebuilt when it does."""
+    from infra.render.host import render_host
+
+    h = hashlib.sha256()
+    for n in plan.nodes:
+        spec, files = render_host(plan, n, ROLE)
+        h.update(spec.to_json().encode())
+        for rel in sorted(files):
+            h.update(rel.encode() + files[rel].encode())
+    return h.hexdigest()
 
 
-def lab_up(plan: Plan, state_dir: Path, wait_s: float = 45.0) -> dict[str, object]:
+def _host_spec(plan: Plan, node: PlanNode) -> HostSpec:
+    from infra.render.host import render_host
+
+    return render_host(plan, node, ROLE)[0]
+
+
+def hosts(plan: Plan, state_dir: Path) -> dict[str, Host]:
+    """The lab's hosts (attached to their running systemd when they are up)."""
+    out = {}
+    for n in plan.nodes:
+        h = Host(
+            name=n.name,
+            netns=str(n.netns),
+            state_dir=state_dir / "hosts" / n.name,
+            binds=(Bind(sys.prefix, VENV_IN_HOST),),
+        )
+        h.pid = find_systemd(h.netns)
+        out[n.name] = h
+    return out
+
+
+def lab_up(plan: Plan, state_dir: Path, wait_s: float = 60.0) -> dict[str, object]:
     """Build the lab; returns a summary. On failure everything made is removed."""
-    preflight()
+    preflight(plan)
     if any(r.kind != "lab" for r in plan.regions):
         raise LabError(
             f"stack {plan.stack} has non-lab pools; `geotrain lab` builds lab stacks only"
@@ -93,17 +145,19 @@ def lab_up(plan: Plan, state_dir: Path, wait_s: float = 45.0) -> dict[str, objec
     lab_down(plan, state_dir)  # a previous failed or forgotten lab
     try:
         state_dir.mkdir(parents=True, exist_ok=True)
-        for r in plan.regions:
-            _region(r)
-        for i, t in enumerate(plan.tunnels):
-            _underlay(plan, t, i)
-        keys = {r.gateway.name: _wg_key(r, state_dir) for r in plan.regions}
-        for t in plan.tunnels:
-            for region in (t.a, t.b):
-                _tunnel(plan, plan.region(region), t, keys, state_dir)
-        for r in plan.regions:
-            _frr(plan, r)
-        sessions = wait_for_bgp(plan, wait_s)
+        _wire(plan)
+        fleet = hosts(plan, state_dir)
+        for h in fleet.values():
+            h.start()
+        keys = {}
+        bundles = _bundles(plan, state_dir)
+        for n in plan.nodes:
+            path = _upload(fleet[n.name], bundles[n.name])
+            if n.is_gateway:
+                keys[n.name] = _prepare(fleet[n.name], path)
+        for n in plan.nodes:
+            _apply_node(fleet[n.name], f"{BUNDLE_IN_HOST}/{bundles[n.name].name}", keys)
+        sessions = wait_for_bgp(plan, wait_s, fleet)
     except BaseException:
         lab_down(plan, state_dir)
         raise
@@ -117,133 +171,120 @@ def lab_up(plan: Plan, state_dir: Path, wait_s: float = 45.0) -> dict[str, objec
     return summary
 
 
-def _region(r: PlanRegion) -> None:
-    gw = r.gateway.netns
-    assert gw is not None  # lab nodes always have a namespace (plan)
-    for n in r.nodes:
-        sh("ip", "netns", "add", str(n.netns))
-        sh("ip", "-n", str(n.netns), "link", "set", "lo", "up")
-        (WG_RUN / str(n.netns)).mkdir(parents=True, exist_ok=True)
-    prefix = r.subnet.split("/")[1]
-    sh("ip", "-n", gw, "link", "add", "br0", "type", "bridge")
-    sh("ip", "-n", gw, "addr", "add", f"{r.gateway.private_ip}/{prefix}", "dev", "br0")
-    sh("ip", "-n", gw, "link", "set", "br0", "up")
-    for k, n in enumerate(x for x in r.nodes if not x.is_gateway):
-        a, b = f"gtl{os.getpid() % 1000}{k}a", f"gtl{os.getpid() % 1000}{k}b"
-        sh("ip", "link", "add", a, "type", "veth", "peer", "name", b)
-        sh("ip", "link", "set", a, "netns", gw)
-        sh("ip", "link", "set", b, "netns", str(n.netns))
-        sh("ip", "-n", gw, "link", "set", a, "name", f"lan-{k}", "master", "br0", "up")
-        sh("ip", "-n", str(n.netns), "link", "set", b, "name", "eth0", "up")
-        sh("ip", "-n", str(n.netns), "addr", "add", f"{n.private_ip}/{prefix}", "dev", "eth0")
-        sh("ip", "-n", str(n.netns), "route", "add", "default", "via", r.gateway.private_ip)
-    for key in (
-        "net.ipv4.ip_forward=1",
-        "net.ipv4.conf.all.rp_filter=0",
-        "net.ipv4.conf.default.rp_filter=0",
-    ):
-        sh("ip", "netns", "exec", gw, "sysctl", "-qw", key)
+def _wire(plan: Plan) -> None:
+    """The physical world: namespaces, region LANs (bridges in the switch namespace) and
+    the gateways' cables (veth pairs with /30s)."""
+    sw = switch_netns(plan)
+    sh("ip", "netns", "add", sw)
+    sh("ip", "-n", sw, "link", "set", "lo", "up")
+    for i, r in enumerate(plan.regions):
+        br = f"br{i}"
+        sh("ip", "-n", sw, "link", "add", br, "type", "bridge")
+        sh("ip", "-n", sw, "link", "set", br, "up")
+        for k, n in enumerate(r.nodes):
+            ns = str(n.netns)
+            sh("ip", "netns", "add", ns)
+            sh("ip", "-n", ns, "link", "set", "lo", "up")
+            port = f"p{i}-{k}"
+            sh(
+                "ip",
+                "-n",
+                sw,
+                "link",
+                "add",
+                port,
+                "type",
+                "veth",
+                "peer",
+                "name",
+                "eth0",
+                "netns",
+                ns,
+            )
+            sh("ip", "-n", sw, "link", "set", port, "master", br, "up")
+            sh("ip", "-n", ns, "link", "set", "eth0", "up")
+    for t in plan.tunnels:
+        _cable(plan, t)
 
 
-def tbf_args(mbps: int) -> list[str]:
-    """tc tbf for a link: burst must hold at least one timer tick of traffic
-    (rate / HZ with HZ up to 1000) and one MTU; latency bounds the queue (50 ms)."""
-    burst = max(32 * 1024, mbps * 1_000_000 // 8 // 250)
-    return ["tbf", "rate", f"{mbps}mbit", "burst", str(burst), "latency", "50ms"]
-
-
-def _underlay(plan: Plan, t: Tunnel, i: int) -> None:
+def _cable(plan: Plan, t: Tunnel) -> None:
     ga, gb = plan.region(t.a).gateway, plan.region(t.b).gateway
-    a, b = f"gtu{os.getpid() % 1000}{i}a", f"gtu{os.getpid() % 1000}{i}b"
-    sh("ip", "link", "add", a, "type", "veth", "peer", "name", b)
-    for dev, gw, name, addr in (
-        (a, ga, veth_short(t.b), t.a_underlay),
-        (b, gb, veth_short(t.a), t.b_underlay),
-    ):
-        ns = str(gw.netns)
-        sh("ip", "link", "set", dev, "netns", ns)
-        sh("ip", "-n", ns, "link", "set", dev, "name", name, "up")
-        sh("ip", "-n", ns, "addr", "add", f"{addr}/30", "dev", name)
-        sh(
-            "ip",
-            "netns",
-            "exec",
-            ns,
-            "tc",
-            "qdisc",
-            "add",
-            "dev",
-            name,
-            "root",
-            *tbf_args(t.bandwidth_mbps),
-        )
-
-
-def _wg_key(r: PlanRegion, state_dir: Path) -> str:
-    """The gateway's private key, made here and kept in the lab's state dir (0600)."""
-    key = state_dir / f"{r.gateway.name}.key"
-    fd = os.open(key, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(sh("wg", "genkey"))
-    return sh("wg", "pubkey", input=key.read_text()).strip()
-
-
-def _tunnel(plan: Plan, r: PlanRegion, t: Tunnel, keys: dict[str, str], state: Path) -> None:
-    end = t.side(r.name)
-    ns, gw = str(r.gateway.netns), r.gateway.name
-    conf = strip_wg_quick(render_wireguard(plan, r.name, t, keys))
-    conf_path = state / f"{gw}-{end.ifname}.conf"
-    conf_path.write_text(conf)
-    ns_sh(
-        ns,
-        f"WG_I_PREFER_BUGGY_USERSPACE_TO_POLISHED_KMOD=1 wireguard-go {end.ifname} >/dev/null 2>&1",
+    na, nb = str(ga.netns), str(gb.netns)
+    sh(
+        "ip",
+        "-n",
+        na,
+        "link",
+        "add",
+        t.a_uplink,
+        "type",
+        "veth",
+        "peer",
+        "name",
+        t.b_uplink,
+        "netns",
+        nb,
     )
-    ns_sh(
-        ns,
-        f"wg setconf {end.ifname} {conf_path} && "
-        f"wg set {end.ifname} private-key {state / (gw + '.key')}",
+    for ns, dev, addr in ((na, t.a_uplink, t.a_underlay), (nb, t.b_uplink, t.b_underlay)):
+        sh("ip", "-n", ns, "addr", "add", f"{addr}/30", "dev", dev)
+        sh("ip", "-n", ns, "link", "set", dev, "up")
+
+
+def _bundles(plan: Plan, state_dir: Path) -> dict[str, Path]:
+    wheel = runtime_wheel()
+    out = {}
+    for n in plan.nodes:
+        b = render_bundle(plan, n, ROLE, wheel)
+        out[n.name] = b.write(state_dir / "bundles" / b.digest)
+    return out
+
+
+def _upload(h: Host, bundle: Path) -> str:
+    path = f"{BUNDLE_IN_HOST}/{bundle.name}"
+    h.upload(bundle, path)
+    return path
+
+
+def _agent(h: Host, bundle: str, *args: str, input: str | None = None) -> str:
+    r = h.exec(
+        [
+            "python3",
+            "-I",
+            f"{bundle}/agent.py",
+            *args,
+            "--bundle",
+            bundle,
+            "--digest",
+            Path(bundle).name,
+        ],
+        input=input,
+        check=False,
     )
-    sh("ip", "-n", ns, "addr", "add", f"{end.ip}/31", "dev", end.ifname)
-    sh("ip", "-n", ns, "link", "set", end.ifname, "mtu", str(plan.model.network.mtu), "up")
+    if r.returncode != 0:
+        err = [ln for ln in r.stderr.splitlines() if ln.strip()]
+        raise LabError(err[-1] if err else f"host {h.name}: agent exited {r.returncode}")
+    return r.stdout
 
 
-def _frr(plan: Plan, r: PlanRegion) -> None:
-    ns = str(r.gateway.netns)
-    etc, run = FRR_ETC / ns, FRR_RUN / ns
-    for path in (etc, run):
-        path.mkdir(parents=True, exist_ok=True)
-        shutil.chown(path, "frr", "frr")
-    (etc / "frr.conf").write_text(render_frr(plan, r.name))
-    (etc / "vtysh.conf").write_text("service integrated-vtysh-config\n")
-    for f in etc.iterdir():
-        shutil.chown(f, "frr", "frr")
-    for d in FRR_DAEMONS:
-        sh(
-            "ip",
-            "netns",
-            "exec",
-            ns,
-            str(FRR_BIN / d),
-            "-d",
-            "-N",
-            ns,
-            "-A",
-            "127.0.0.1",
-            "-f",
-            str(etc / "frr.conf"),
-        )
+def _prepare(h: Host, bundle: str) -> str:
+    return _agent(h, bundle, "prepare").strip().splitlines()[-1]
 
 
-def vtysh(ns: str, command: str) -> str:
-    return sh("ip", "netns", "exec", ns, "vtysh", "-N", ns, "-c", command)
+def _apply_node(h: Host, bundle: str, keys: dict[str, str]) -> None:
+    _agent(h, bundle, "apply", "--secrets-stdin", input=json.dumps({"wireguard": keys}))
+
+
+def vtysh(plan: Plan, node: PlanNode, command: str, state_dir: Path | None = None) -> str:
+    h = Host(node.name, str(node.netns), Path("/nonexistent"))
+    h.pid = find_systemd(h.netns)
+    return h.exec(["vtysh", "-c", command]).stdout
 
 
 def bgp_established(plan: Plan) -> int:
     up = 0
     for r in plan.regions:
-        ns = str(r.gateway.netns)
         try:
-            peers = json.loads(vtysh(ns, "show bgp summary json") or "{}")
+            peers = json.loads(vtysh(plan, r.gateway, "show bgp summary json") or "{}")
         except (LabError, ValueError):
             continue
         for p in peers.get("ipv4Unicast", {}).get("peers", {}).values():
@@ -255,69 +296,73 @@ def bfd_up(plan: Plan) -> int:
     up = 0
     for r in plan.regions:
         try:
-            peers = json.loads(vtysh(str(r.gateway.netns), "show bfd peers json") or "[]")
+            peers = json.loads(vtysh(plan, r.gateway, "show bfd peers json") or "[]")
         except (LabError, ValueError):
             continue
         up += sum(p.get("status") == "up" for p in peers)
     return up
 
 
-def wait_for_bgp(plan: Plan, wait_s: float) -> int:
+def wait_for_bgp(plan: Plan, wait_s: float, fleet: dict[str, Host] | None = None) -> int:
     """Until every BGP session is established, every BFD session up (failover is armed
     only then) and every gateway has a route to every other region."""
     want = 2 * len(plan.tunnels)
     deadline = time.monotonic() + wait_s
     while True:
         up = bgp_established(plan)
-        routes = all(_has_routes(plan, r) for r in plan.regions)
+        routes = all(_has_routes(plan, r.name) for r in plan.regions)
         if up == want and routes and bfd_up(plan) == want:
             return up // 2
         if time.monotonic() > deadline:
+            gw = plan.regions[0].gateway
             raise LabError(
                 f"{up // 2} of {want // 2} BGP sessions established and "
                 f"{bfd_up(plan) // 2} BFD sessions up after {wait_s:.0f} s; see "
-                "`ip netns exec GW vtysh -N GW -c 'show bgp summary'`"
+                f"`nsenter -t $(pgrep -f 'unit=geotrain-host' -n) -a -r vtysh -c 'show bgp "
+                f"summary'` in {gw.netns}"
             )
         time.sleep(0.5)
 
 
-def _has_routes(plan: Plan, r: PlanRegion) -> bool:
-    table = sh("ip", "-n", str(r.gateway.netns), "route", check=False)
-    return all(o.subnet in table for o in plan.regions if o.name != r.name)
+def _has_routes(plan: Plan, region: str) -> bool:
+    table = sh("ip", "-n", str(plan.region(region).gateway.netns), "route", check=False)
+    return all(o.subnet in table for o in plan.regions if o.name != region)
 
 
 def lab_down(plan: Plan, state_dir: Path) -> list[str]:
-    """Remove every namespace, process and file of this stack's lab; returns what went."""
+    """Remove every namespace, process, cgroup and file of this stack's lab; returns what
+    went."""
     removed = []
     existing = set(sh("ip", "netns", "list", check=False).split())
-    for n in plan.nodes:
-        ns = str(n.netns)
+    for ns in [str(n.netns) for n in plan.nodes] + [switch_netns(plan)]:
         if ns in existing:
-            for pid in sh("ip", "netns", "pids", ns, check=False).split():
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(int(pid), 9)
-            _wait_gone(ns)
+            stop_netns_processes(ns)
+            remove_cgroups(ns)
             sh("ip", "netns", "del", ns, check=False)
             removed.append(ns)
-        for path in (WG_RUN / ns, FRR_ETC / ns, FRR_RUN / ns):
-            if path.exists():
-                shutil.rmtree(path, ignore_errors=True)
-                removed.append(str(path))
     if state_dir.exists():
         shutil.rmtree(state_dir, ignore_errors=True)
         removed.append(str(state_dir))
     return removed
 
 
-def _wait_gone(ns: str, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while sh("ip", "netns", "pids", ns, check=False).split() and time.monotonic() < deadline:
-        time.sleep(0.05)
-
-
-def leftovers(plan: Plan) -> list[str]:
+def leftovers(plan: Plan, state_dir: Path | None = None) -> list[str]:
     """What of this stack's lab still exists (for `lab down` verification and tests)."""
-    names = {str(n.netns) for n in plan.nodes}
+    names = {str(n.netns) for n in plan.nodes} | {switch_netns(plan)}
     out = [ns for ns in sh("ip", "netns", "list", check=False).split() if ns in names]
-    out += [str(p) for ns in names for p in (WG_RUN / ns, FRR_ETC / ns, FRR_RUN / ns) if p.exists()]
+    out += [str(p) for ns in names for p in _cgroups_of(ns) if p.exists()]
+    if state_dir is not None and state_dir.exists():
+        out.append(str(state_dir))
+    with contextlib.suppress(OSError):
+        out += [
+            f"process {pid}"
+            for ns in names
+            for pid in sh("ip", "netns", "pids", ns, check=False).split()
+        ]
     return out
+
+
+def _cgroups_of(ns: str) -> list[Path]:
+    from infra.hosts import cgroup_dirs
+
+    return cgroup_dirs(ns)

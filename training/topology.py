@@ -14,6 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from training import gloo
 from training.errors import SpecError
 from training.spec import LaunchSpec
 
@@ -67,14 +68,14 @@ class Groups:
 
 def make_groups(topo: Topology, device: torch.device) -> Groups:
     """Every rank must create every group in the same order (a c10d rule)."""
-    intra_backend = "nccl" if device.type == "cuda" else "gloo"
+    intra_backend = "nccl" if device.type == "cuda" else gloo.backend()
     intra = cross = None
     for r in range(topo.regions):
         g = dist.new_group(topo.region_ranks(r), backend=intra_backend)
         if r == topo.region_index:
             intra = g
     for lr in range(topo.local_size):
-        g = dist.new_group(topo.peer_ranks(lr), backend="gloo")
+        g = dist.new_group(topo.peer_ranks(lr), backend=gloo.backend())
         if lr == topo.local_rank:
             cross = g
     return Groups(intra=intra, cross=cross, device=device)

@@ -6,6 +6,7 @@ import itertools
 import json
 import os
 import secrets
+import shlex
 import shutil
 import subprocess
 import sys
@@ -20,7 +21,9 @@ from infra import lab
 from infra.model import load_stack
 from infra.plan import Plan, build_plan
 
-MISSING = [c for c in ("ip", "wg", "wireguard-go", "vtysh") if not shutil.which(c)]
+MISSING = [
+    c for c in ("ip", "wg", "wireguard-go", "vtysh", "nft", "nsenter") if not shutil.which(c)
+]
 pytestmark = [
     pytest.mark.root,
     pytest.mark.timeout(300),
@@ -55,7 +58,7 @@ def _out(p: subprocess.Popen[str]) -> Any:
 def test_every_bgp_session_establishes(plan: Plan) -> None:
     assert lab.bgp_established(plan) == 2 * len(plan.tunnels)
     for r in plan.regions:
-        peers = lab.vtysh(str(r.gateway.netns), "show bfd peers brief")
+        peers = lab.vtysh(plan, r.gateway, "show bfd peers brief")
         assert peers.count(" up ") >= 2, peers
 
 
@@ -80,7 +83,9 @@ def test_plaintext_between_regions_never_appears_on_the_underlay(plan: Plan) -> 
     bj, fra = plan.region("beijing"), plan.region("frankfurt")
     dst = next(n for n in fra.nodes if not n.is_gateway)
     src = next(n for n in bj.nodes if not n.is_gateway)
-    cap_under = _in(str(bj.gateway.netns), "capture", "u-frankfurt", "3", marker)
+    cap_under = _in(
+        str(bj.gateway.netns), "capture", _uplink(plan, "beijing", "frankfurt"), "3", marker
+    )
     cap_lan = _in(str(dst.netns), "capture", "eth0", "3", marker)
     echo = _in(str(dst.netns), "echo", dst.private_ip, "7002", "3")
     time.sleep(0.5)
@@ -102,6 +107,18 @@ def test_plaintext_between_regions_never_appears_on_the_underlay(plan: Plan) -> 
     assert under["marker_frames"] == 0  # ... but only encrypted
 
 
+def _uplink(plan: Plan, src: str, dst: str) -> str:
+    """`src` gateway's cable towards `dst` (the underlay the tunnel runs over)."""
+    t = next(t for t in plan.tunnels if {t.a, t.b} == {src, dst})
+    return t.a_uplink if t.a == src else t.b_uplink
+
+
+def _tunnel(plan: Plan, src: str, dst: str) -> str:
+    """`src` gateway's WireGuard interface towards `dst`."""
+    t = next(t for t in plan.tunnels if {t.a, t.b} == {src, dst})
+    return t.side(src).ifname
+
+
 def _route_dev(plan: Plan, src: str, dst_ip: str) -> str:
     out = lab.sh("ip", "-n", str(plan.region(src).gateway.netns), "route", "get", dst_ip)
     return out.split(" dev ")[1].split()[0]
@@ -111,23 +128,25 @@ def test_cutting_beijing_frankfurt_reroutes_via_silicon_valley_and_back(plan: Pl
     fra_w = next(n for n in plan.region("frankfurt").nodes if not n.is_gateway)
     bj_w = next(n for n in plan.region("beijing").nodes if not n.is_gateway)
     bj_gw = str(plan.region("beijing").gateway.netns)
-    assert _route_dev(plan, "beijing", fra_w.private_ip) == "wg-frankfurt"
+    cable = _uplink(plan, "beijing", "frankfurt")
+    assert _route_dev(plan, "beijing", fra_w.private_ip) == _tunnel(plan, "beijing", "frankfurt")
     echo = _in(str(fra_w.netns), "echo", fra_w.private_ip, "7003", "12")
     time.sleep(0.3)
     probe = _in(str(bj_w.netns), "probe", fra_w.private_ip, "7003", "8")
     time.sleep(2.0)
-    lab.sh("ip", "-n", bj_gw, "link", "set", "u-frankfurt", "down")
+    lab.sh("ip", "-n", bj_gw, "link", "set", cable, "down")
     try:
         replies = _out(probe)["replies"]
-        assert _route_dev(plan, "beijing", fra_w.private_ip) == "wg-silicon-vall"
+        via_sv = _tunnel(plan, "beijing", "silicon-valley")
+        assert _route_dev(plan, "beijing", fra_w.private_ip) == via_sv
         gaps = [b - a for a, b in itertools.pairwise(replies)]
         assert replies[-1] > 6.0, "traffic did not resume over the alternate path"
         assert max(gaps) < 3.0, f"failover took {max(gaps):.2f} s"
     finally:
-        lab.sh("ip", "-n", bj_gw, "link", "set", "u-frankfurt", "up")
+        lab.sh("ip", "-n", bj_gw, "link", "set", cable, "up")
         _out(echo)
     deadline = time.monotonic() + 40
-    while _route_dev(plan, "beijing", fra_w.private_ip) != "wg-frankfurt":
+    while _route_dev(plan, "beijing", fra_w.private_ip) != _tunnel(plan, "beijing", "frankfurt"):
         assert time.monotonic() < deadline, "the restored link was not used again"
         time.sleep(0.5)
 
@@ -135,12 +154,44 @@ def test_cutting_beijing_frankfurt_reroutes_via_silicon_valley_and_back(plan: Pl
 def test_lab_down_leaves_nothing_behind_even_after_a_failed_up(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    p = build_plan(load_stack("lab"))
-    # lab_up first clears the module's lab (lab_down), then fails half way: at FRR
+    p = build_plan(load_stack(_copy_stack(tmp_path, "labfail")))
+    # lab_up fails half way: hosts booted, bundles uploaded, the agent's apply fails
     monkeypatch.setattr(
-        lab, "_frr", lambda plan, r: (_ for _ in ()).throw(lab.LabError("injected failure"))
+        lab,
+        "_apply_node",
+        lambda h, bundle, keys: (_ for _ in ()).throw(lab.LabError("injected failure")),
     )
+    state = tmp_path / "state"
     with pytest.raises(lab.LabError, match="injected failure"):
-        lab.lab_up(p, tmp_path / "state")
-    assert lab.leftovers(p) == []
-    assert not (tmp_path / "state").exists()
+        lab.lab_up(p, state)
+    assert lab.leftovers(p, state) == []
+
+
+def _copy_stack(tmp: Path, name: str) -> str:
+    """The lab stack under another name: its namespaces (gt-<stack>-<node>) differ, so it
+    can be built next to the module's lab."""
+    path = tmp / f"Pulumi.{name}.yaml"
+    shutil.copyfile(Path(__file__).resolve().parents[2] / "stacks" / "Pulumi.lab.yaml", path)
+    return str(path)
+
+
+def test_lab_builds_every_path_it_needs_on_a_fresh_run(tmp_path: Path) -> None:
+    """A machine where wireguard-go, FRR and the lab never ran: a private mount namespace
+    whose /run is an empty tmpfs (no /run/wireguard, /run/frr, /run/netns, /run/lock)."""
+    stack = _copy_stack(tmp_path, "labfresh")
+    cli = f"{shlex.quote(sys.executable)} -m geotrain lab"
+    script = (
+        "set -e; mount --make-rprivate /; mount -t tmpfs tmpfs /run; "
+        f"{cli} up --stack {stack}; ls /run; {cli} down --stack {stack}"
+    )
+    r = subprocess.run(
+        ["unshare", "--mount", "sh", "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "BGP sessions established" in r.stdout
+    assert "lab down: removed" in r.stdout
+    assert lab.leftovers(build_plan(load_stack(stack))) == []
