@@ -18,6 +18,7 @@ from training.spec import LaunchSpec
 
 if TYPE_CHECKING:
     from geotrain.monitoring import PrometheusProcess
+    from infra.model.schema import StackModel
 
 register = True
 
@@ -28,16 +29,21 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def local_run_dir(model: StackModel) -> Path:
+    """Where `geotrain train` keeps a stack's spec, key, events, logs and report."""
+    return Path(".geotrain") / model.stack
+
+
 def prepare_local_run(
-    stack: str, fresh: bool, steps: int | None = None
+    model: StackModel, fresh: bool, steps: int | None = None
 ) -> tuple[LaunchSpec, Path, Path]:
-    """Render the spec of a single-machine stack into .geotrain/<stack>/ with a key."""
-    from infra.model import load_stack
+    """Render the spec of a single-machine stack into its run dir with a key. The caller
+    holds the run dir's lock (this rewrites the spec and the event log)."""
     from infra.plan import build_plan
     from infra.render import render_launch_spec
+    from training.checkpoint import node_root
     from training.keys import create_key_file
 
-    model = load_stack(stack)
     plan = build_plan(model)
     kinds = {r.kind for r in plan.regions}
     if not kinds <= {"local", "lab"}:
@@ -47,9 +53,12 @@ def prepare_local_run(
             "`pulumi up`, which starts `geotrain launch` on every node"
         )
     spec = render_launch_spec(plan)
-    run_dir = Path(".geotrain") / model.stack
-    if fresh:
-        shutil.rmtree(Path(spec.checkpoint.dir), ignore_errors=True)
+    run_dir = local_run_dir(model)
+    if fresh:  # every node's root: the dir may hold {node} or {region}
+        for r in spec.regions:
+            for n in r.nodes:
+                root = node_root(spec.checkpoint.dir, spec.stack, n.name, r.name)
+                shutil.rmtree(root, ignore_errors=True)
     run_dir.mkdir(parents=True, exist_ok=True)
     # the rendezvous port is chosen now: a fixed port may be taken on a shared machine
     spec = dataclasses.replace(spec, master_port=free_port(), steps=steps or spec.steps)
@@ -67,10 +76,19 @@ def prepare_local_run(
 @friendly
 def train(stack: str, fresh: bool, steps: int | None) -> None:
     """Train on a single-machine stack (local, lab): every region's workers start here."""
+    from infra.model import load_stack
+    from training.launch import run_lock
+
+    model = load_stack(stack)
+    # before anything is written: a second launcher must not touch the first one's run
+    with run_lock(local_run_dir(model), f"stack {model.stack}"):
+        _train(stack, *prepare_local_run(model, fresh, steps))
+
+
+def _train(stack: str, spec: LaunchSpec, spec_path: Path, run_dir: Path) -> None:
     from training.launch import launch
     from training.report import EventLog, Progress, format_report, summarize
 
-    spec, spec_path, run_dir = prepare_local_run(stack, fresh, steps)
     nodes = [n for r in spec.regions for n in r.nodes]
     click.echo(
         f"run {spec.run_id}: {spec.world_size} workers in {len(spec.regions)} regions "
@@ -155,14 +173,14 @@ def _log_tail(log_dir: Path, worker: str | None) -> str:
 @friendly
 def launch_node(spec_file: str, node: str, run_dir: str) -> None:
     """Start one node's workers (what SSH hosts and Kubernetes pods run)."""
-    from training.launch import launch
+    from training.launch import launch, run_lock
     from training.spec import LaunchSpec
 
     spec = LaunchSpec.load(spec_file)
     _, n = spec.node(node)
     rd = Path(run_dir)
-    rd.mkdir(parents=True, exist_ok=True)
-    result = launch(spec, Path(spec_file), [n], rd)
+    with run_lock(rd, f"node {node} (run dir {rd})"):
+        result = launch(spec, Path(spec_file), [n], rd)
     if not result.ok:
         last = result.attempts[-1]
         raise SpecError(

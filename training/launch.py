@@ -4,22 +4,34 @@ node of a single-machine stack (`geotrain train`), with torchrun-style restarts.
 A failed worker takes its whole group down (a collective cannot finish without it); the
 group restarts up to `max_restarts` times and every rank resumes from the newest
 committed checkpoint.
+
+Workers never outlive their launcher: a SIGTERM stops their process groups, and a launcher
+killed outright (SIGKILL, OOM) takes them along through the kernel's parent-death signal.
+One run directory has one launcher at a time (`run_lock`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import fcntl
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from training.errors import GeotrainError
 from training.spec import LaunchSpec, NodeSpec
 
 POLL_S = 0.2
+LOCK = "launcher.lock"
+PR_SET_PDEATHSIG = 1
+_LIBC = ctypes.CDLL(None, use_errno=True)  # loaded here: the child must not import
 
 
 @dataclass
@@ -57,6 +69,34 @@ def worker_command(spec_path: Path, node: NodeSpec, local_rank: int) -> list[str
     return cmd
 
 
+def _die_with(launcher: int) -> Callable[[], None]:
+    """preexec_fn: the kernel sends SIGKILL to the child when the launcher dies. The
+    setting survives exec, including `ip netns exec`'s (which execs the worker in place);
+    a launcher that died before it was set is caught by the parent check."""
+
+    def arm() -> None:
+        _LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != launcher:
+            os._exit(1)
+
+    return arm
+
+
+def spawn(cmd: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+    """Start one worker in its own process group (so SIGTERM reaches its children) that
+    dies with this process."""
+    with open(log, "ab") as out:
+        return subprocess.Popen(
+            cmd,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            # preexec_fn is safe here: the launcher runs no other threads while it forks
+            preexec_fn=_die_with(os.getpid()),
+        )
+
+
 def run_group(
     spec_path: Path,
     nodes: list[NodeSpec],
@@ -70,15 +110,9 @@ def run_group(
     t0 = time.monotonic()
     for n in nodes:
         for i in range(n.nprocs):
-            log = open(log_dir / f"{n.name}-{i}.log", "ab")  # noqa: SIM115 (closed by the child)
-            procs[f"{n.name}/{i}"] = subprocess.Popen(
-                worker_command(spec_path, n, i),
-                env=env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
+            procs[f"{n.name}/{i}"] = spawn(
+                worker_command(spec_path, n, i), env, log_dir / f"{n.name}-{i}.log"
             )
-            log.close()
     try:
         while True:
             if on_poll:
@@ -146,3 +180,36 @@ def launch(
         if on_restart and restart < spec.max_restarts:
             on_restart(attempt)
     return result
+
+
+@contextlib.contextmanager
+def run_lock(run_dir: Path, what: str) -> Iterator[None]:
+    """Hold <run_dir>/launcher.lock (flock) for the block: one launcher per run directory,
+    since two would share its event log and checkpoints. The kernel releases the lock when
+    the process dies, however it dies. `what` names the run in the error ("stack local")."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    fd = os.open(run_dir / LOCK, os.O_RDWR | os.O_CREAT, 0o644)  # not inherited by workers
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = _holder(fd)
+        os.close(fd)
+        pid = holder.get("pid", "?")
+        raise GeotrainError(
+            f"{what} is already training (launcher pid {pid}, started at "
+            f"{holder.get('started', '?')}); wait for it or stop it with kill {pid}"
+        ) from None
+    try:
+        os.ftruncate(fd, 0)
+        started = time.strftime("%Y-%m-%d %H:%M:%S")
+        os.write(fd, json.dumps({"pid": os.getpid(), "started": started}).encode())
+        yield
+    finally:
+        os.close(fd)  # releases the lock; the file stays (removing it would race a waiter)
+
+
+def _holder(fd: int) -> dict[str, object]:
+    try:
+        return dict(json.loads(os.pread(fd, 4096, 0) or b"{}"))
+    except ValueError:  # the holder has the lock but has not written its pid yet
+        return {}
