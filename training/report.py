@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,22 +24,41 @@ class EventLog:
     path: Path
     offset: int = 0
     events: list[dict[str, Any]] = field(default_factory=list)
+    unreadable: int = 0
+    """Lines that were not JSON objects (a worker killed mid-write), skipped."""
 
     def poll(self) -> list[dict[str, Any]]:
-        if not self.path.exists():
+        try:
+            with open(self.path, "rb") as f:
+                if os.fstat(f.fileno()).st_size < self.offset:  # truncated: start over
+                    self.offset = 0
+                f.seek(self.offset)
+                chunk = f.read()
+        except FileNotFoundError:
             return []
-        with open(self.path, encoding="utf-8") as f:
-            f.seek(self.offset)
-            chunk = f.read()
         # a line still being written has no newline yet: leave it for the next poll
-        done = chunk[: chunk.rfind("\n") + 1]
-        self.offset += len(done.encode())
-        new = [json.loads(line) for line in done.splitlines() if line.strip()]
+        done = chunk[: chunk.rfind(b"\n") + 1]
+        self.offset += len(done)
+        new = []
+        for line in done.splitlines():
+            event = _parse(line)
+            if event is not None:
+                new.append(event)
+            elif line.strip():
+                self.unreadable += 1
         self.events += new
         return new
 
     def of(self, kind: str) -> list[dict[str, Any]]:
         return [e for e in self.events if e["event"] == kind]
+
+
+def _parse(line: bytes) -> dict[str, Any] | None:
+    try:
+        event = json.loads(line)
+    except ValueError:  # also UnicodeDecodeError
+        return None
+    return event if isinstance(event, dict) and "event" in event else None
 
 
 @dataclass
@@ -49,7 +69,11 @@ class Progress:
     last_step: int = -1
 
     def update(self) -> None:
-        self.log.poll()
+        for e in self.log.poll():
+            if e["event"] == "checkpoint_skipped":  # a fallback: say it, whatever the tty
+                lead = "\n" if self.out.isatty() else ""  # off the progress bar's line
+                self.out.write(f"{lead}checkpoint {_fallback(e)}\n")
+                self.out.flush()
         steps = self.log.of("step")
         if not steps:
             return
@@ -116,6 +140,10 @@ def summarize(log: EventLog, spec_steps: int) -> dict[str, Any]:
         "restarts": len(log.of("resume")) // max(1, world),
         "resumed_from": sorted({e["step"] for e in log.of("resume")}),
         "checkpoints": [e["step"] for e in log.of("checkpoint")],
+        "checkpoint_fallbacks": [
+            {k: e[k] for k in ("step", "node", "reason", "moved_to")}
+            for e in log.of("checkpoint_skipped")
+        ],
         "merges": sum(1 for e in steps if e.get("merged")) // max(1, regions),
     }
 
@@ -156,4 +184,12 @@ def format_report(r: dict[str, Any]) -> str:
         )
     if r["merges"]:
         lines.append(f"global merges           {r['merges']}")
+    for i, f in enumerate(r.get("checkpoint_fallbacks", [])):
+        lines.append(f"{'checkpoint fallbacks' if i == 0 else '':24}{_fallback(f)}")
     return "\n".join(lines)
+
+
+def _fallback(e: dict[str, Any]) -> str:
+    """One line per checkpoint directory that resume skipped: which, why, where it went."""
+    where = f"moved to {e['moved_to']}" if e.get("moved_to") else "removed"
+    return f"step {e['step']} on node {e['node']} skipped: {e['reason']}; {where}"
