@@ -41,7 +41,6 @@ import hashlib
 import hmac
 import json
 import os
-import re
 import shutil
 import threading
 import time
@@ -93,6 +92,10 @@ def node_group(ranks_by_node: list[list[int]]) -> Any:
     return group
 
 
+Problem = tuple[str, str]
+"""Why a directory cannot be loaded: (a slug for its quarantine name, the reason)."""
+
+
 @dataclass(frozen=True)
 class Fallback:
     """A node directory that resume did not use, and what became of it."""
@@ -121,10 +124,6 @@ def _write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def _slug(text: str) -> str:
-    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")[:40] or "unusable"
-
-
 @dataclass
 class Checkpointer:
     root: Path
@@ -140,7 +139,8 @@ class Checkpointer:
     """A gloo group of every rank, dedicated to checkpoints (agreeing on the resume step,
     confirming commits from the writer thread); None when this node is the whole world."""
     on_commit: Callable[[int], None] | None = None
-    """Called on the leader's writer thread once its node's step is committed."""
+    """Called on the leader's writer thread once its node's step is committed (other nodes
+    may not have committed it yet)."""
     pending: concurrent.futures.Future[Any] | None = None
     pending_dir: Path | None = None
     fallbacks: list[Fallback] = field(default_factory=list)
@@ -226,6 +226,8 @@ class Checkpointer:
             dcp.save(snap, checkpoint_id=str(d), process_group=self.group, planner=self._planner)
             if self.leader:
                 self._commit(d, step)
+                if self.on_commit:
+                    self.on_commit(step)
         except WRITE_ERRORS as e:
             failed = e  # still join the confirmation below, or the other nodes would hang
         # every rank, every save, in order: the step counts as committed everywhere only
@@ -234,8 +236,6 @@ class Checkpointer:
             self._prune()
         if failed is not None:
             raise failed
-        if self.leader and self.on_commit:
-            self.on_commit(step)
 
     def _everywhere(self, value: int) -> int:
         """The minimum of `value` over every rank (on `world`)."""
@@ -331,7 +331,7 @@ class Checkpointer:
             mine = self._committed()
         views = [v for v in self._gather((self.node, mine, torn)) if v[1] is not None]
         have = {node: set(steps) for node, steps, _ in views}
-        problems: dict[tuple[int, str], str] = {}
+        problems: dict[tuple[int, str], Problem] = {}
         chosen = None
         for step in sorted(set.intersection(*have.values()) if have else set(), reverse=True):
             problem = self._problem(self.dir_of(step)) if self.leader else None
@@ -352,7 +352,7 @@ class Checkpointer:
         self,
         chosen: int | None,
         have: dict[str, set[int]],
-        problems: dict[tuple[int, str], str],
+        problems: dict[tuple[int, str], Problem],
         torn: set[tuple[int, str]],
     ) -> list[Fallback]:
         """Leader: move this node's committed steps newer than `chosen` out of the way.
@@ -366,24 +366,28 @@ class Checkpointer:
             missing = sorted(n for n, steps in have.items() if step not in steps)
             other = sorted((n, p) for (s, n), p in problems.items() if s == step)
             if (step, self.node) in problems:
-                reason = problems[(step, self.node)]
+                slug, reason = problems[(step, self.node)]
             elif missing:
-                reason = f"not committed on node {', '.join(missing)}"
+                slug, reason = "incomplete", f"not committed on node {', '.join(missing)}"
                 if all((step, n) in torn for n in missing):
                     reason += " (its save was cut short)"
                     self._remove(self.dir_of(step))
                     out.append(Fallback(step, self.node, reason, None))
                     continue
             else:  # in every node's list, and checked: some other node's copy is bad
-                reason = f"unusable on node {other[0][0]} ({other[0][1]})"
-            out.append(Fallback(step, self.node, reason, str(self._quarantine(step, reason))))
+                slug, reason = (
+                    "unusable-elsewhere",
+                    f"unusable on node {other[0][0]} ({other[0][1][1]})",
+                )
+            dest = self._quarantine(step, slug, reason)
+            out.append(Fallback(step, self.node, reason, str(dest)))
         return out
 
-    def _quarantine(self, step: int, reason: str) -> Path:
+    def _quarantine(self, step: int, slug: str, reason: str) -> Path:
         """Move this node's directory of `step` to <root>/quarantine/ with a REASON file."""
         src = self.dir_of(step)
         stamp = time.strftime("%Y%m%dT%H%M%S")
-        base = self.root / QUARANTINE / f"{PREFIX}{step}-{self.node}-{_slug(reason)}-{stamp}"
+        base = self.root / QUARANTINE / f"{PREFIX}{step}-{self.node}-{slug}-{stamp}"
         dest, n = base, 1
         while dest.exists():
             dest, n = base.with_name(f"{base.name}-{n}"), n + 1
@@ -395,39 +399,42 @@ class Checkpointer:
         self._drop_empty(src.parent)
         return dest
 
-    def _problem(self, d: Path) -> str | None:
+    def _problem(self, d: Path) -> Problem | None:
         """Why `d` must not be loaded, or None when it is committed, authentic, of this run,
         this step and this node, and complete."""
         if not (d / MARKER).exists():
-            return "no commit marker (torn save)"
+            return "torn", "no commit marker (torn save)"
         try:
             body = json.loads((d / MANIFEST).read_text(encoding="utf-8"))
             mac = body.pop("hmac")
         except (OSError, ValueError, KeyError, AttributeError, TypeError):
-            return "manifest missing or unreadable"
+            return "unreadable-manifest", "manifest missing or unreadable"
         canon = json.dumps(body, sort_keys=True).encode()
         good = hmac.new(self._mac_key, canon, hashlib.sha256).hexdigest()
         if not isinstance(mac, str) or not hmac.compare_digest(good, mac):
-            return "manifest does not verify under this run's key (another run, or tampered)"
-        if body.get("run_id") != self.run_id:
             return (
+                "bad-mac",
+                "manifest does not verify under this run's key (another run, or tampered)",
+            )
+        if body.get("run_id") != self.run_id:
+            return "other-run", (
                 f"belongs to run {body.get('run_id')}, not {self.run_id}; "
                 "use that run's stack to resume it"
             )
         if (body.get("step"), body.get("node")) != (step_of(d), self.node):
-            return (
+            return "copied-manifest", (
                 f"manifest is of step {body.get('step')} on node {body.get('node')} "
                 "(a manifest copied from another directory)"
             )
         actual = _digest_files(d)
         for name, digest in body["files"].items():
             if name not in actual:
-                return f"file {name} is missing"
+                return "missing-file", f"file {name} is missing"
             if actual[name] != digest:
-                return f"file {name} is corrupt (digest mismatch)"
+                return "digest-mismatch", f"file {name} is corrupt (digest mismatch)"
         extra = set(actual) - set(body["files"])
         if extra:
-            return f"unexpected files {sorted(extra)}"
+            return "unexpected-files", f"unexpected files {sorted(extra)}"
         return None
 
     def verify(self, d: Path) -> None:
@@ -435,7 +442,7 @@ class Checkpointer:
         and this node, and complete."""
         problem = self._problem(d)
         if problem is not None:
-            raise CheckpointError(f"{d}: {problem}")
+            raise CheckpointError(f"{d}: {problem[1]}")
 
     def load(self, d: Path, state: dict[str, Any]) -> None:
         """Load verified `d` into `state` in place (tensors are filled, not replaced), over
