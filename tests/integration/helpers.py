@@ -39,6 +39,24 @@ def small_stack(tmp: Path, name: str, **training: Any) -> Path:
     return path
 
 
+def two_node_stack(tmp: Path, name: str, workers: int = 2, **training: Any) -> Path:
+    """`small_stack` with two regions of one node each (bj-0, fra-0): the smallest stack
+    with two "hosts"."""
+    path = small_stack(tmp, name, **training)
+    doc = yaml.safe_load(path.read_text())
+    cfg = doc["config"]
+    cfg["geotrain:regions"] = cfg["geotrain:regions"][:2]
+    for r in cfg["geotrain:regions"]:
+        r["pool"]["nodes"][0]["gpus"] = workers
+    keep = {r["name"] for r in cfg["geotrain:regions"]}
+    net = cfg["geotrain:network"]
+    net["links"] = [x for x in net["links"] if {x["a"], x["b"]} <= keep]
+    t = cfg["geotrain:training"]
+    t["data_shards"] = [x for x in t["data_shards"] if x["region"] in keep]
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return path
+
+
 def geotrain(*args: str, cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     return subprocess.run(
