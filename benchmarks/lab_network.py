@@ -149,9 +149,14 @@ def failover(plan: object, lab: object, runs: int) -> list[float]:
         probe = _probe(str(bj_w.netns), "probe", fra_w.private_ip, "7100", "7")
         time.sleep(2.0)
         t_cut = time.monotonic() - t_start  # approximate: probe started ~ at t_start
-        lab.sh("ip", "-n", str(bj.gateway.netns), "link", "set", "u-frankfurt", "down")  # type: ignore[attr-defined]
+        cable = next(
+            t.a_uplink if t.a == "beijing" else t.b_uplink
+            for t in plan.tunnels  # type: ignore[attr-defined]
+            if {t.a, t.b} == {"beijing", "frankfurt"}
+        )
+        lab.sh("ip", "-n", str(bj.gateway.netns), "link", "set", cable, "down")  # type: ignore[attr-defined]
         replies = json.loads(probe.communicate()[0].splitlines()[-1])["replies"]
-        lab.sh("ip", "-n", str(bj.gateway.netns), "link", "set", "u-frankfurt", "up")  # type: ignore[attr-defined]
+        lab.sh("ip", "-n", str(bj.gateway.netns), "link", "set", cable, "up")  # type: ignore[attr-defined]
         echo.communicate()
         after = [t for t in replies if t > t_cut]
         before = [t for t in replies if t <= t_cut]
@@ -199,19 +204,10 @@ def main() -> None:
         fo = failover(plan, lab, a.failovers)
         sync = sync_bench(plan, a.reps)
         for t in plan.tunnels:  # the same sync without shaping: this machine's CPU floor
-            for region, peer in ((t.a, t.b), (t.b, t.a)):
-                lab.sh(
-                    "ip",
-                    "netns",
-                    "exec",
-                    str(plan.region(region).gateway.netns),
-                    "tc",
-                    "qdisc",
-                    "del",
-                    "dev",
-                    lab.veth_short(peer),
-                    "root",
-                )
+            for region in (t.a, t.b):
+                ns = str(plan.region(region).gateway.netns)
+                dev = t.side(region).ifname  # the agent shapes each tunnel interface
+                lab.sh("ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", dev, "root")
         floor = sync_bench(plan, a.reps)
     finally:
         lab.lab_down(plan, state)
@@ -224,7 +220,8 @@ def main() -> None:
     flat0, hier0 = median(floor["flat"]), median(floor["hier"])
     mbps = plan.tunnels[0].bandwidth_mbps
     lines = [
-        f"# Lab network: 3 regions x 2 ranks, WAN links shaped to {mbps} Mbit/s (tc tbf)",
+        f"# Lab network: 3 regions x 2 ranks, tunnels shaped to {mbps} Mbit/s (tc tbf on each "
+        "WireGuard interface, set by the host agent)",
         "",
         "| measure | value |",
         "|---|---|",

@@ -15,6 +15,7 @@ def echo(host: str, port: int, seconds: float) -> None:
     s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     s.bind((host, port))
     s.settimeout(0.2)
+    print(json.dumps({"ready": True}), flush=True)  # callers wait for this, not a sleep
     end = time.monotonic() + seconds
     got = []
     while time.monotonic() < end:
@@ -53,6 +54,7 @@ def capture(ifname: str, seconds: float, marker: str) -> None:
     s = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(0x0003))
     s.bind((ifname, 0))
     s.settimeout(0.2)
+    print(json.dumps({"ready": True}), flush=True)
     end = time.monotonic() + seconds
     frames = hits = 0
     m = marker.encode()

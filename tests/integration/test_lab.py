@@ -50,6 +50,14 @@ def _in(ns: str, *args: str) -> subprocess.Popen[str]:
     )
 
 
+def _ready(p: subprocess.Popen[str]) -> subprocess.Popen[str]:
+    """Wait until an echo server has bound its socket (its first line)."""
+    assert p.stdout is not None
+    line = p.stdout.readline()
+    assert '"ready"' in line, line
+    return p
+
+
 def _out(p: subprocess.Popen[str]) -> Any:
     out, _ = p.communicate(timeout=60)
     return json.loads(out.strip().splitlines()[-1])
@@ -70,8 +78,7 @@ def test_every_region_reaches_every_other_regions_subnet_over_wireguard(plan: Pl
             target = next(n for n in dst.nodes if not n.is_gateway)
             route = lab.sh("ip", "-n", str(src.gateway.netns), "route", "get", target.private_ip)
             assert " dev wg-" in route, route
-            echo = _in(str(target.netns), "echo", target.private_ip, "7001", "2")
-            time.sleep(0.5)
+            echo = _ready(_in(str(target.netns), "echo", target.private_ip, "7001", "2"))
             worker = next(n for n in src.nodes if not n.is_gateway)
             probe = _in(str(worker.netns), "probe", target.private_ip, "7001", "0.5")
             assert _out(probe)["replies"], f"{src.name} -> {dst.name}: no reply"
@@ -83,12 +90,10 @@ def test_plaintext_between_regions_never_appears_on_the_underlay(plan: Plan) -> 
     bj, fra = plan.region("beijing"), plan.region("frankfurt")
     dst = next(n for n in fra.nodes if not n.is_gateway)
     src = next(n for n in bj.nodes if not n.is_gateway)
-    cap_under = _in(
-        str(bj.gateway.netns), "capture", _uplink(plan, "beijing", "frankfurt"), "3", marker
-    )
-    cap_lan = _in(str(dst.netns), "capture", "eth0", "3", marker)
-    echo = _in(str(dst.netns), "echo", dst.private_ip, "7002", "3")
-    time.sleep(0.5)
+    uplink = _uplink(plan, "beijing", "frankfurt")
+    cap_under = _ready(_in(str(bj.gateway.netns), "capture", uplink, "3", marker))
+    cap_lan = _ready(_in(str(dst.netns), "capture", "eth0", "3", marker))
+    echo = _ready(_in(str(dst.netns), "echo", dst.private_ip, "7002", "3"))
     lab.sh(
         "ip",
         "netns",
@@ -130,10 +135,9 @@ def test_cutting_beijing_frankfurt_reroutes_via_silicon_valley_and_back(plan: Pl
     bj_gw = str(plan.region("beijing").gateway.netns)
     cable = _uplink(plan, "beijing", "frankfurt")
     assert _route_dev(plan, "beijing", fra_w.private_ip) == _tunnel(plan, "beijing", "frankfurt")
-    echo = _in(str(fra_w.netns), "echo", fra_w.private_ip, "7003", "12")
-    time.sleep(0.3)
+    echo = _ready(_in(str(fra_w.netns), "echo", fra_w.private_ip, "7003", "12"))
     probe = _in(str(bj_w.netns), "probe", fra_w.private_ip, "7003", "8")
-    time.sleep(2.0)
+    time.sleep(2.0)  # the scenario: 2 s of steady traffic, then the cut (not a sync wait)
     lab.sh("ip", "-n", bj_gw, "link", "set", cable, "down")
     try:
         replies = _out(probe)["replies"]

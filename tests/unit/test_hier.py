@@ -6,7 +6,6 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from training.codec import Codec
 from training.errors import PayloadRejected
@@ -141,4 +140,5 @@ def test_ddp_comm_hook_matches_default_ddp_gradients() -> None:
     plain = run_world(_ddp, WORLD, False)
     for h, p in zip(hooked, plain, strict=True):
         assert ((h - p).norm() / p.norm()).item() < 2e-3
-    assert dist.is_available()
+    # and the hook really ran: fp16 quantization leaves a (small) trace in every gradient
+    assert all(not torch.equal(h, p) for h, p in zip(hooked, plain, strict=True))
