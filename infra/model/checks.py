@@ -164,13 +164,6 @@ def _pools(m: StackModel, source: str) -> None:
             f"{sorted(kinds - {'kubernetes'})}: there is no WireGuard gateway between a "
             "cluster and hosts; put every region on Kubernetes or none",
         )
-    if "ssh" in kinds and not m.network.admin_cidrs:
-        raise _err(
-            source,
-            "network.admin_cidrs",
-            "ssh hosts drop every connection the stack does not expect, SSH included: list "
-            "the networks you run `pulumi up` from, e.g. admin_cidrs: [203.0.113.0/24]",
-        )
     for i, r in enumerate(m.regions):
         names = [n.name for n in r.pool.nodes]
         if r.pool.gateway is not None and r.pool.gateway not in names:
@@ -203,6 +196,13 @@ def _pools(m: StackModel, source: str) -> None:
                     f"regions[{i}].pool.nodes[{j}].address",
                     "ssh nodes need the address the operator reaches them on, not loopback",
                 )
+    if "ssh" in kinds and not m.network.admin_cidrs:
+        raise _err(
+            source,
+            "network.admin_cidrs",
+            "ssh hosts drop every connection the stack does not expect, SSH included: list "
+            "the networks you run `pulumi up` from, e.g. admin_cidrs: [203.0.113.0/24]",
+        )
 
 
 def _workers(m: StackModel, source: str) -> None:

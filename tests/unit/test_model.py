@@ -177,7 +177,72 @@ BROKEN = [
         "geotrain:regions[0].subnet",
         "IPv4",
     ),
+    # address pools with too little room: said up front, with the room needed
+    (
+        "region-subnet-too-small",
+        "lab",
+        _set("geotrain:regions.1.subnet", "10.42.2.0/29"),
+        "geotrain:regions[1].subnet",
+        "2 nodes need 13 (gateway .1, workers from .10, broadcast); use /28 or larger",
+    ),
+    (
+        "lab-underlay-too-small",
+        "lab",
+        _set("geotrain:network.underlay_cidr", "100.127.0.0/30"),
+        "geotrain:network.underlay_cidr",
+        "holds 1 /30 links, 3 needed; use /28 or larger",
+    ),
+    (
+        "lab-underlay-single-address",
+        "lab",
+        _set("geotrain:network.underlay_cidr", "100.127.0.0/32"),
+        "geotrain:network.underlay_cidr",
+        "holds 0 /30 links",
+    ),
+    (
+        "wireguard-ports-past-65535",
+        "lab",
+        _set("geotrain:network.wireguard_port", 65000),
+        None,
+        "",
+    ),
+    (
+        "ssh-without-admin-cidrs",
+        "global",
+        _set("geotrain:network.admin_cidrs", []),
+        "geotrain:network.admin_cidrs",
+        "list the networks you run `pulumi up` from",
+    ),
+    (
+        "kubernetes-next-to-ssh",
+        "global",
+        _set("geotrain:regions.2.pool.kind", "kubernetes"),
+        "geotrain:regions[2].pool.kind",
+        "no WireGuard gateway between a cluster and hosts",
+    ),
+    (
+        "tag-not-a-label",
+        "local",
+        _set("geotrain:tags", {"owner": "a team with spaces", "cost-centre": "x"}),
+        "geotrain:tags.owner",
+        "not a valid label value",
+    ),
+    (
+        "host-address-inside-the-overlay",
+        "global",
+        _set("geotrain:regions.0.pool.nodes.1.address", "10.42.7.7"),
+        "geotrain:regions[0].pool.nodes[1].address",
+        "inside overlay_cidr",
+    ),
+    (
+        "two-nodes-one-host",
+        "global",
+        _set("geotrain:regions.0.pool.nodes.1.address", "192.0.2.10"),
+        "geotrain:regions[0].pool.nodes[1].address",
+        "one host serves one node",
+    ),
 ]
+BROKEN = [b for b in BROKEN if b[3] is not None]  # (65000 + 2 regions fits: no error)
 
 
 @pytest.mark.parametrize(
@@ -222,3 +287,28 @@ def test_other_providers_config_and_secrets_are_ignored(write_stack: Any) -> Non
         cfg["geotrain:sshPrivateKey"] = {"secure": "v1:abc"}
 
     assert load_stack(str(write_stack("global", mutate))).stack == "broken"
+
+
+def test_long_region_names_with_a_common_prefix_get_distinct_interface_names(
+    write_stack: Any,
+) -> None:
+    def rename(cfg: dict[str, Any]) -> None:
+        names = ["europe-central-1", "europe-central-2", "europe-central-3"]
+        old = [r["name"] for r in cfg["geotrain:regions"]]
+        for r, n in zip(cfg["geotrain:regions"], names, strict=True):
+            r["name"] = n
+        mapping = dict(zip(old, names, strict=True))
+        for link in cfg["geotrain:network"]["links"]:
+            link["a"], link["b"] = mapping[link["a"]], mapping[link["b"]]
+        for s in cfg["geotrain:training"]["data_shards"]:
+            s["region"] = mapping[s["region"]]
+
+    from infra.plan import build_plan
+
+    plan = build_plan(load_stack(str(write_stack("lab", rename))))
+    for r in plan.regions:
+        names = [t.side(r.name).ifname for t in plan.tunnels_of(r.name)]
+        uplinks = [t.a_uplink if t.a == r.name else t.b_uplink for t in plan.tunnels_of(r.name)]
+        assert len(set(names)) == len(names) == 2, names
+        assert len(set(uplinks)) == 2, uplinks
+        assert all(len(n) <= 15 for n in names + uplinks)
