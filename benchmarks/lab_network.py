@@ -34,20 +34,20 @@ def worker(spec_path: str, rank: int, reps: int, out: str) -> None:
     import torch
     import torch.distributed as dist
 
+    from training import gloo
     from training.codec import Codec
     from training.data import ByteLoader, load_region_text
     from training.hier import HierarchicalAllReduce
     from training.model import build_model
     from training.spec import LaunchSpec
     from training.topology import Topology, make_groups
-    from training.worker import _flat_grads, _grads, _scatter, interface_of
+    from training.worker import _flat_grads, _grads, _scatter
 
     torch.set_num_threads(1)
     spec = LaunchSpec.load(spec_path)
     node = next(
         n for r in spec.regions for n in r.nodes if n.first_rank <= rank < n.first_rank + n.nprocs
     )
-    os.environ["GLOO_SOCKET_IFNAME"] = interface_of(node.host) or "lo"
     store = dist.TCPStore(
         spec.master_addr,
         spec.master_port,
@@ -55,7 +55,9 @@ def worker(spec_path: str, rank: int, reps: int, out: str) -> None:
         rank == 0,
         timeout=timedelta(seconds=60),
     )
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=spec.world_size)
+    dist.init_process_group(
+        gloo.bind(node.host), store=store, rank=rank, world_size=spec.world_size
+    )
     topo = Topology.of(spec, rank)
     sync = HierarchicalAllReduce(
         topo,

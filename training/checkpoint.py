@@ -55,6 +55,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultSavePlanner
 from torch.distributed.checkpoint.api import CheckpointException
 
+from training import gloo
 from training.codec import derive_key
 from training.errors import CheckpointError
 
@@ -88,7 +89,7 @@ def node_root(template: str, stack: str, node: str, region: str) -> Path:
 def node_group(ranks_by_node: list[list[int]]) -> Any:
     """This rank's node group (gloo), for DCP. Every rank must call this with the same
     lists in the same order: each creates every node's group (a c10d rule)."""
-    group, _ = dist.new_subgroups_by_enumeration(ranks_by_node, backend="gloo")
+    group, _ = dist.new_subgroups_by_enumeration(ranks_by_node, backend=gloo.backend())
     return group
 
 

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from training import gloo
 from training.checkpoint import Checkpointer, node_group, node_root, step_of
 from training.codec import Codec
 from training.data import ByteLoader, load_region_text
@@ -32,6 +33,8 @@ from training.model import DeepSeekLM, preset
 from training.spec import LaunchSpec, metrics_port
 from training.topology import Groups, Topology, make_groups
 
+RENDEZVOUS_TIMEOUT_S = 600
+"""How long the global store waits for every rank to join."""
 CONTROL_EVERY = 10
 """Time-based merges/saves are agreed on every this many steps (a 2-float all-reduce)."""
 
@@ -119,7 +122,7 @@ def make_checkpointer(spec: LaunchSpec, node_name: str, key: bytes) -> Checkpoin
     """Per-node checkpoints (see training.checkpoint). Two dedicated gloo groups: async
     saves never block the training groups. Every rank creates both in the same order."""
     region, node = spec.node(node_name)
-    world = dist.new_group(backend="gloo")
+    world = dist.new_group(backend=gloo.backend())
     spans = [
         list(range(n.first_rank, n.first_rank + n.nprocs)) for r in spec.regions for n in r.nodes
     ]
@@ -130,31 +133,12 @@ def make_checkpointer(spec: LaunchSpec, node_name: str, key: bytes) -> Checkpoin
     )
 
 
-def interface_of(address: str) -> str | None:
-    """Name of the interface that holds `address` (gloo must bind there: in the lab and on
-    multi-homed hosts the hostname does not resolve to the overlay address)."""
-    import subprocess
-
-    try:
-        out = subprocess.run(
-            ["ip", "-o", "-4", "addr", "show"], capture_output=True, text=True, check=True
-        ).stdout
-    except (OSError, subprocess.CalledProcessError):
-        return None
-    for line in out.splitlines():
-        parts = line.split()
-        if len(parts) > 3 and parts[3].split("/")[0] == address:
-            return parts[1]
-    return None
-
-
 def setup(spec: LaunchSpec, node_name: str, local_rank: int, events: Path | None) -> Job:
     rank, key, text = preflight(spec, node_name, local_rank)
     region, node = spec.node(node_name)
-    if "GLOO_SOCKET_IFNAME" not in os.environ:
-        ifname = interface_of(node.host)
-        if ifname:
-            os.environ["GLOO_SOCKET_IFNAME"] = ifname
+    # every gloo group listens on, and advertises, the node's private address only (a
+    # host's LAN interface may also hold its public address: see training/gloo.py)
+    glo = gloo.bind(node.host)
     device = torch.device("cuda", local_rank) if node.device == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -163,9 +147,11 @@ def setup(spec: LaunchSpec, node_name: str, local_rank: int, events: Path | None
         spec.master_port,
         spec.world_size,
         rank == 0,
-        timeout=timedelta(seconds=120),
+        # hosts start their workers as their agents finish, minutes apart on a big fleet;
+        # the store waits that long for every rank to join (collectives keep 120 s)
+        timeout=timedelta(seconds=RENDEZVOUS_TIMEOUT_S),
     )
-    backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+    backend = f"cpu:{glo},cuda:nccl" if device.type == "cuda" else glo
     dist.init_process_group(
         backend, store=store, rank=rank, world_size=spec.world_size, timeout=timedelta(seconds=120)
     )
