@@ -1,37 +1,16 @@
-"""The `geotrain` command line. Expected failures (GeotrainError) become one line on stderr
-and exit code 2, never a traceback."""
+"""The `geotrain` command line: the group, the offline stack commands (validate, render,
+graph, keygen), and the other command modules added to it. Expected failures
+(GeotrainError) become one line on stderr and exit code 2, never a traceback."""
 
 from __future__ import annotations
 
-import functools
-import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import click
 
-from training.errors import GeotrainError
-
-STACK = click.option(
-    "--stack",
-    "-s",
-    default="local",
-    show_default=True,
-    help="Stack name (stacks/Pulumi.<stack>.yaml) or a path to a stack file.",
-)
-
-
-def friendly(fn: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return fn(*args, **kwargs)
-        except GeotrainError as e:
-            click.echo(f"geotrain: error: {e}", err=True)
-            sys.exit(e.exit_code)
-
-    return wrapper
+from geotrain import commands, host_commands
+from geotrain.options import STACK, friendly
 
 
 @click.group()
@@ -134,7 +113,11 @@ def keygen(out: str) -> None:
     click.echo(f"{'created' if created else 'kept existing'} {out}")
 
 
-def main() -> None:
-    from geotrain import commands  # noqa: F401  (registers train/launch/check/lab/top)
+for command in (commands.train, commands.launch_node, commands.check, commands.top):
+    cli.add_command(command)
+cli.add_command(host_commands.lab)
+cli.add_command(host_commands.node)
 
+
+def main() -> None:
     cli()

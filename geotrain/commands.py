@@ -1,5 +1,6 @@
-"""Runtime commands: `geotrain train` (a whole single-machine stack) and `geotrain launch`
-(one node's workers, what SSH hosts and pods run)."""
+"""Run-time commands: `geotrain train` (a whole single-machine stack), `geotrain launch`
+(one node's workers, what SSH hosts and pods run), `geotrain check` (the policy pack over
+what `pulumi up` would create) and `geotrain top`."""
 
 from __future__ import annotations
 
@@ -12,15 +13,13 @@ from typing import TYPE_CHECKING
 
 import click
 
-from geotrain.cli import STACK, cli, friendly
+from geotrain.options import STACK, friendly
 from training.errors import SpecError
 from training.spec import LaunchSpec
 
 if TYPE_CHECKING:
     from geotrain.monitoring import PrometheusProcess
     from infra.model.schema import StackModel
-
-register = True
 
 
 def free_port() -> int:
@@ -69,7 +68,7 @@ def prepare_local_run(
     return spec, spec_path, run_dir
 
 
-@cli.command()
+@click.command()
 @STACK
 @click.option("--fresh", is_flag=True, help="Delete this run's checkpoints first.")
 @click.option("--steps", type=int, default=None, help="Override the stack's step count.")
@@ -155,7 +154,7 @@ def _log_tail(log_dir: Path, worker: str | None) -> str:
     return f"its last line: {lines[-1] if lines else '(empty)'} ({path})"
 
 
-@cli.command("launch")
+@click.command("launch")
 @click.option(
     "--spec",
     "spec_file",
@@ -190,7 +189,7 @@ def launch_node(spec_file: str, node: str, run_dir: str) -> None:
     click.echo(f"node {node}: done")
 
 
-@cli.command()
+@click.command()
 @STACK
 @click.option("--json", "as_json", is_flag=True, help="Print violations as JSON.")
 @click.option(
@@ -214,7 +213,7 @@ def check(stack: str, as_json: bool, policy_config: str | None, emit_config: str
     from infra.mocks import run_under_mocks
     from infra.model import load_stack
     from policies.rules import config_from_policy_settings
-    from policies.runner import policy_resource, run_policies
+    from policies.runner import resources_from_recording, run_policies
 
     model = load_stack(stack)
     config = (
@@ -226,14 +225,7 @@ def check(stack: str, as_json: bool, policy_config: str | None, emit_config: str
         Path(emit_config).write_text(json.dumps(config, indent=2) + "\n")
         click.echo(f"wrote {emit_config}")
         return
-    rec = run_under_mocks(model)
-    by_urn: dict[str, object] = {}
-    resources = []
-    for r in rec.resources:
-        parent = by_urn.get(r.parent or "")
-        pr = policy_resource(r.type, r.name, r.urn, r.inputs, parent)  # type: ignore[arg-type]
-        by_urn[r.urn] = pr
-        resources.append(pr)
+    resources = resources_from_recording(run_under_mocks(model).resources)
     violations = run_policies(resources, config)
     if as_json:
         click.echo(json.dumps([v.__dict__ for v in violations], indent=2))
@@ -250,51 +242,7 @@ def check(stack: str, as_json: bool, policy_config: str | None, emit_config: str
         sys.exit(1)
 
 
-@cli.group()
-def lab() -> None:
-    """The network-namespace lab (root): regions, WireGuard, FRR on this host."""
-
-
-def _lab_plan(stack: str) -> tuple[object, Path]:
-    from infra.model import load_stack
-    from infra.plan import build_plan
-
-    plan = build_plan(load_stack(stack))
-    return plan, Path(".geotrain") / plan.stack / "lab"
-
-
-@lab.command("up")
-@STACK
-@friendly
-def lab_up_cmd(stack: str) -> None:
-    """Build the lab from the same renderers `pulumi up` uses."""
-    from infra.lab import lab_up
-
-    plan, state = _lab_plan(stack)
-    s = lab_up(plan, state)  # type: ignore[arg-type]
-    click.echo(
-        f"lab {s['stack']} up in {s['seconds']} s: {len(s['namespaces'])} "  # type: ignore[arg-type]
-        f"namespaces, {s['bgp_sessions']} BGP sessions established"
-    )
-
-
-@lab.command("down")
-@STACK
-@friendly
-def lab_down_cmd(stack: str) -> None:
-    """Remove every namespace, link, process and file the lab made."""
-    from infra.lab import lab_down, leftovers, preflight
-
-    preflight()
-    plan, state = _lab_plan(stack)
-    removed = lab_down(plan, state)  # type: ignore[arg-type]
-    left = leftovers(plan)  # type: ignore[arg-type]
-    if left:
-        raise SpecError(f"lab down left {', '.join(left)}; remove them by hand")
-    click.echo(f"lab down: removed {len(removed)} namespaces and directories")
-
-
-@cli.command()
+@click.command()
 @STACK
 @click.option("--once", is_flag=True, help="Print one snapshot and exit.")
 @click.option("--interval", default=2.0, show_default=True, help="Seconds between refreshes.")

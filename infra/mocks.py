@@ -34,6 +34,8 @@ class Registered:
     custom: bool
     inputs: dict[str, Any]
     provider: str | None = None
+    secrets: list[str] = field(default_factory=list)
+    """Input keys whose values were Pulumi secrets (encrypted in state, hidden in logs)."""
 
 
 @dataclass
@@ -78,6 +80,9 @@ class RecordingMonitor(MockMonitor):
                     name=request.name,
                     custom=bool(request.custom),
                     inputs=unsecret(dict(state)),
+                    secrets=sorted(
+                        k for k, v in state.items() if isinstance(v, dict) and SECRET_SIG in v
+                    ),
                     provider=request.provider or None,
                 )
             )

@@ -23,27 +23,43 @@ from pulumi_policy import (
     StackValidationPolicy,
 )
 
+from infra import tokens
 from infra.model.gpus import GPU_TYPES
+from infra.model.schema import Policy
 
 Report = Callable[[str, str | None], None]
-POOL, OVERLAY, ROUTING = (
-    "geotrain:pool:RegionPool",
-    "geotrain:network:Overlay",
-    "geotrain:routing:Routing",
-)
-MONITORING, TRAINING = "geotrain:monitoring:Monitoring", "geotrain:training:TrainingDeployment"
+POOL, OVERLAY, ROUTING = tokens.POOL, tokens.OVERLAY, tokens.ROUTING
+MONITORING, TRAINING = tokens.MONITORING, tokens.TRAINING
 ALLOWED_FLOWS = {"gradients", "pseudo-gradients"}
 
-DEFAULTS: dict[str, dict[str, Any]] = {
-    "data-residency": {},
-    "encryption-in-transit": {"requiredFor": ["CN"]},
-    "no-public-exposure": {},
-    "allowed-gpu-types-and-regions": {"allowedGpuTypes": None, "allowedRegions": None},
-    "budget-cap": {"maxGpus": None, "maxUsdPerHour": None, "gpuPrices": {}},
-    "checkpoint-cadence": {"maxIntervalMinutes": 30, "minKeep": 2},
-    "required-tags": {"tags": ["owner", "cost-centre"]},
-    "network-integrity": {},
-}
+
+def config_from_policy_settings(p: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """Pack config (policy name -> config) from a stack's `geotrain:policy` settings (a
+    full dump of infra.model.schema.Policy: its defaults are the pack's defaults)."""
+    return {
+        "data-residency": {},
+        "encryption-in-transit": {"requiredFor": list(p["encryption_required_for"])},
+        "no-public-exposure": {},
+        "allowed-gpu-types-and-regions": {
+            "allowedGpuTypes": p["allowed_gpu_types"],
+            "allowedRegions": p["allowed_regions"],
+        },
+        "budget-cap": {
+            "maxGpus": p["max_gpus"],
+            "maxUsdPerHour": p["max_usd_per_hour"],
+            "gpuPrices": dict(p["gpu_prices"] or {}),
+        },
+        "checkpoint-cadence": {
+            "maxIntervalMinutes": p["max_checkpoint_interval_minutes"],
+            "minKeep": p["min_checkpoint_keep"],
+        },
+        "required-tags": {"tags": list(p["required_tags"])},
+        "network-integrity": {},
+    }
+
+
+DEFAULTS: dict[str, dict[str, Any]] = config_from_policy_settings(Policy().model_dump())
+"""Used where the pack gets no config: the stack model's policy defaults, in one place."""
 
 
 def _cfg(name: str, args: Any) -> dict[str, Any]:
@@ -393,24 +409,3 @@ STACK_POLICIES = [
     ),
 ]
 ALL = [*RESOURCE_POLICIES, *STACK_POLICIES]
-
-
-def config_from_policy_settings(p: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
-    """Pack config (policy name -> config) from a stack's `geotrain:policy` settings."""
-    return {
-        "encryption-in-transit": {"requiredFor": list(p.get("encryption_required_for", []))},
-        "allowed-gpu-types-and-regions": {
-            "allowedGpuTypes": p.get("allowed_gpu_types"),
-            "allowedRegions": p.get("allowed_regions"),
-        },
-        "budget-cap": {
-            "maxGpus": p.get("max_gpus"),
-            "maxUsdPerHour": p.get("max_usd_per_hour"),
-            "gpuPrices": dict(p.get("gpu_prices") or {}),
-        },
-        "checkpoint-cadence": {
-            "maxIntervalMinutes": p.get("max_checkpoint_interval_minutes", 30),
-            "minKeep": p.get("min_checkpoint_keep", 2),
-        },
-        "required-tags": {"tags": list(p.get("required_tags", ["owner", "cost-centre"]))},
-    }

@@ -4,7 +4,7 @@ registers under mocks, through the SDK's own argument types. `geotrain check` us
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -72,6 +72,18 @@ def _policy_config(name: str, config: Mapping[str, Any]) -> dict[str, Any]:
         if isinstance(entry, Mapping)
         else {}
     )
+
+
+def resources_from_recording(registered: Iterable[Any]) -> list[PolicyResource]:
+    """Policy resources from what the program registered under mocks
+    (infra.mocks.Registered: type, name, urn, inputs, parent), parents first."""
+    by_urn: dict[str, PolicyResource] = {}
+    out = []
+    for r in registered:
+        pr = policy_resource(r.type, r.name, r.urn, r.inputs, by_urn.get(r.parent or ""))
+        by_urn[r.urn] = pr
+        out.append(pr)
+    return out
 
 
 def run_policies(

@@ -13,11 +13,12 @@ from dataclasses import dataclass
 
 import pulumi
 
+from infra import tokens
 from infra.backends import BackendContext, Parent, backend_for
 from infra.facts import monitoring_facts
 from infra.render.host import host_services_of
 
-TOKEN = "geotrain:monitoring:Monitoring"
+TOKEN = tokens.MONITORING
 
 
 @dataclass

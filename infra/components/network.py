@@ -13,11 +13,12 @@ from dataclasses import dataclass
 
 import pulumi
 
+from infra import tokens
 from infra.backends import BackendContext, Parent, backends_of
 from infra.facts import overlay_facts, routing_facts
 
-OVERLAY_TOKEN = "geotrain:network:Overlay"
-ROUTING_TOKEN = "geotrain:routing:Routing"
+OVERLAY_TOKEN = tokens.OVERLAY
+ROUTING_TOKEN = tokens.ROUTING
 
 
 @dataclass

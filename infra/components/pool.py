@@ -11,11 +11,12 @@ from dataclasses import dataclass
 
 import pulumi
 
+from infra import tokens
 from infra.backends import BackendContext, Parent, backend_for
 from infra.facts import pool_facts
 from infra.plan import PlanRegion
 
-TOKEN = "geotrain:pool:RegionPool"
+TOKEN = tokens.POOL
 
 
 @dataclass

@@ -12,11 +12,12 @@ from dataclasses import dataclass
 
 import pulumi
 
+from infra import tokens
 from infra.backends import BackendContext, Parent, backend_for, backends_of
 from infra.facts import training_facts
 from infra.render import render_launch_spec
 
-TOKEN = "geotrain:training:TrainingDeployment"
+TOKEN = tokens.TRAINING
 
 
 @dataclass

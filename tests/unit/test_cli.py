@@ -9,7 +9,7 @@ import pytest
 from click.testing import CliRunner
 
 from geotrain.cli import cli
-from geotrain.commands import register  # noqa: F401
+from infra import tokens
 
 
 @pytest.mark.parametrize("stack", ["local", "lab", "global"])
@@ -19,15 +19,11 @@ def test_validate_render_graph_work_for_every_stack(stack: str, tmp_path: Path) 
     r = runner.invoke(cli, ["render", "--stack", stack, "--out", str(tmp_path)])
     assert r.exit_code == 0, r.output
     assert (tmp_path / "launch-spec.json").is_file()
+    if stack != "local":  # hosts that run the agent get a complete bundle each
+        assert all((b / "manifest.json").is_file() for b in (tmp_path / "bundles").iterdir())
     g = runner.invoke(cli, ["graph", "--stack", stack])
     assert g.exit_code == 0, g.output
-    for token in (
-        "geotrain:pool:RegionPool",
-        "geotrain:network:Overlay",
-        "geotrain:routing:Routing",
-        "geotrain:monitoring:Monitoring",
-        "geotrain:training:TrainingDeployment",
-    ):
+    for token in tokens.ALL:
         assert token in g.output
 
 
@@ -35,7 +31,10 @@ def test_graph_global_lists_per_region_resources() -> None:
     out = CliRunner().invoke(cli, ["graph", "--stack", "global"]).output
     for region in ("beijing", "frankfurt", "silicon-valley"):
         assert f"{region}-pool" in out
-    assert "overlay-bj-0-wgkey" in out and "routing-fra-0-frr-reload" in out
+    assert "beijing-pool-bj-3-bundle" in out  # each host's bundle copy
+    assert "overlay-bj-0-wgkey" in out  # gateways make their WireGuard keys
+    assert "training-sv-7-agent" in out  # the agent on every host
+    assert "training-run-key" in out
 
 
 def test_broken_stack_is_one_line_exit_2(write_stack: Any) -> None:

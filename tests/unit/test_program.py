@@ -42,42 +42,48 @@ def test_every_child_is_parented_to_its_component() -> None:
 
 def test_global_stack_keys_flow_from_hosts_to_peers() -> None:
     rec = _run("global")
-    keygens = [r for r in rec.resources if r.name.endswith("-wgkey")]
-    assert len(keygens) == 3
-    for k in keygens:
-        assert "wg genkey" in k.inputs["create"], k.urn
-    confs = [
-        r
-        for r in rec.resources
-        if r.name.endswith("-conf") and "/wireguard/" in r.inputs.get("create", "")
-    ]
-    assert len(confs) == 6
+    keygens = {r.name: r for r in rec.resources if r.name.endswith("-wgkey")}
+    assert sorted(keygens) == ["overlay-bj-0-wgkey", "overlay-fra-0-wgkey", "overlay-sv-0-wgkey"]
+    for k in keygens.values():
+        assert " prepare --bundle " in k.inputs["create"], k.urn
     pubkeys = rec.outputs[outputs.WIREGUARD_PUBLIC_KEYS]
-    for c in confs:
-        assert "PrivateKey" not in c.inputs["stdin"], c.urn
-        assert any(f"PublicKey = {k}" in c.inputs["stdin"] for k in pubkeys.values()), c.urn
+    agents = {r.name: r for r in rec.resources if r.name.endswith("-agent")}
+    bj = json.loads(agents["training-bj-0-agent"].inputs["stdin"])
+    assert bj["wireguard"] == {"fra-0": pubkeys["fra-0"], "sv-0": pubkeys["sv-0"]}
+    worker = json.loads(agents["training-bj-1-agent"].inputs["stdin"])
+    assert worker["wireguard"] == {}  # workers route through their gateway
+    assert all("PrivateKey" not in a.inputs["stdin"] for a in agents.values())
 
 
-def test_global_stack_bootstraps_every_host_and_starts_workers() -> None:
+def test_global_stack_copies_a_bundle_to_every_host_and_runs_the_agent_there() -> None:
     rec = _run("global")
-    names = Counter(
-        r.name.rsplit("-", 1)[-1] for r in rec.resources if r.type == "command:remote:Command"
-    )
-    assert names["bootstrap"] == 24
-    assert names["start"] == 24
-    assert names["exporter"] == 24  # node-exporter everywhere
-    for r in rec.by_type("command:remote:Command"):
-        conn = r.inputs["connection"]
-        assert conn["user"] == "geotrain" and conn["port"] == 22, r.urn
-        assert conn["host"].startswith(("192.0.2.", "198.51.100.", "203.0.113.")), r.urn
+    copies = rec.by_type("command:remote:CopyToRemote")
+    agents = [r for r in rec.by_type("command:remote:Command") if r.name.endswith("-agent")]
+    assert len(copies) == len(agents) == 24
+    for c in copies:
+        assert c.inputs["remotePath"] == ".geotrain/bundles"
+        assert len(c.inputs["triggers"]) == 1 and len(c.inputs["triggers"][0]) == 64  # digest
+    for a in agents:
+        conn = a.inputs["connection"]
+        assert conn["user"] == "geotrain" and conn["port"] == 22, a.urn
+        assert conn["host"].startswith(("192.0.2.", "198.51.100.", "203.0.113.")), a.urn
+        # a new bundle is an update (same command, new digest), never create-then-delete
+        assert a.inputs["create"] == a.inputs["update"]
+        assert " apply --bundle " in a.inputs["create"] and "--secrets-stdin" in a.inputs["create"]
+        assert a.inputs["triggers"] == [f"{conn['host']}:22"]  # only another host replaces
+        assert "geotrain-node remove" in a.inputs["delete"]
 
 
-def test_frr_reload_reapplies_when_the_config_changes() -> None:
+def test_the_run_key_is_an_engine_secret_on_stdin_and_never_logged() -> None:
     rec = _run("global")
-    reloads = [r for r in rec.resources if r.name.endswith("frr-reload")]
-    assert len(reloads) == 3
-    for r in reloads:
-        assert r.inputs["triggers"], f"{r.urn}: no triggers, a changed frr.conf would not apply"
+    [key] = rec.by_type("random:index/randomBytes:RandomBytes")
+    assert key.inputs["length"] == 32
+    for a in (r for r in rec.resources if r.name.endswith("-agent")):
+        stdin = json.loads(a.inputs["stdin"])
+        assert len(stdin["run_key"]) == 64
+        assert stdin["run_key"] not in a.inputs["create"]
+        assert "stdin" in a.secrets, f"{a.urn}: stdin holds the run key but is not a secret"
+        assert a.inputs["logging"] == "none"
 
 
 def _k8s_stack() -> Any:
@@ -111,4 +117,6 @@ def test_outputs_are_the_shared_constants(stack: str) -> None:
         outputs.REGIONS,
         outputs.WIREGUARD_PUBLIC_KEYS,
         outputs.PROMETHEUS_URL,
+        outputs.GRAFANA_URL,
+        outputs.GRAFANA_ADMIN_PASSWORD,
     }
