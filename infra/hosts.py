@@ -25,6 +25,7 @@ import shlex
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -399,3 +400,40 @@ def _ns_pid(pid: int) -> int | None:
 
 def tool_missing(tools: Iterable[str]) -> list[str]:
     return [t for t in tools if shutil.which(t) is None]
+
+
+VENV_IN_HOST = "/opt/geotrain/.venv"
+"""Where simulated hosts see their runtime (where the agent builds it on a real host)."""
+
+
+def runtime_venv(wheel: Path, root: Path) -> Path:
+    """A venv holding exactly the wheel's runtime, for simulated hosts to share read-only
+    (bind-mounted at VENV_IN_HOST). geotrain comes from the wheel, like the venv the agent
+    builds on a real host, never from this checkout's live sources; its dependencies
+    (torch, pyroute2, ...) come from this interpreter's environment through a .pth line,
+    so building it downloads nothing. Cached per wheel (its directory names its digest)."""
+    import sysconfig
+    import zipfile
+
+    out = root / wheel.parent.name
+    if (out / "ready").exists():
+        return out
+    tmp = root / f"{wheel.parent.name}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    subprocess.run(
+        [sys.executable, "-m", "venv", "--without-pip", str(tmp)], check=True, capture_output=True
+    )
+    ver = f"python{sys.version_info.major}.{sys.version_info.minor}"
+    site = tmp / "lib" / ver / "site-packages"
+    with zipfile.ZipFile(wheel) as z:
+        z.extractall(site)
+    # a plain path line: the directory is searched, its own .pth files (this checkout's
+    # editable install) are not run
+    (site / "geotrain-host-deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    script = tmp / "bin" / "geotrain"
+    script.write_text(f"#!{VENV_IN_HOST}/bin/python\nfrom geotrain.cli import main\n\nmain()\n")
+    script.chmod(0o755)
+    (tmp / "ready").write_text(wheel.name + "\n")
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(tmp, out)
+    return out

@@ -25,22 +25,29 @@ import hashlib
 import json
 import shutil
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 from geotrain.agent.bootstrap import missing_packages
 from geotrain.agent.hostspec import HostSpec
-from infra.hosts import Bind, Host, find_systemd, remove_cgroups, stop_netns_processes
+from infra.hosts import (
+    VENV_IN_HOST,
+    Bind,
+    Host,
+    find_systemd,
+    remove_cgroups,
+    runtime_venv,
+    stop_netns_processes,
+)
 from infra.plan import Plan, PlanNode, Tunnel
-from infra.render.bundle import render_bundle, runtime_wheel
+from infra.render.bundle import REPO_ROOT, render_bundle, runtime_wheel
 from infra.render.host import ROLES
 from training.errors import LabError
 
 ROLE = ROLES["lab"]
 """Lab hosts get the network, firewall and monitoring parts of their bundle; their
 workers are started by `geotrain train` (with its restarts and report)."""
-VENV_IN_HOST = "/opt/geotrain/.venv"
+VENVS = REPO_ROOT / ".geotrain" / "venvs"
 BUNDLE_IN_HOST = "/root/.geotrain/bundles"
 NEEDS = {
     "ip": "iproute2",
@@ -78,11 +85,6 @@ def preflight(plan: Plan | None = None) -> None:
             f"missing {', '.join(missing)}; install with `apt-get install -y iproute2 "
             "util-linux wireguard-tools wireguard-go frr nftables systemd`"
         )
-    if sys.prefix == sys.base_prefix:
-        raise LabError(
-            "the lab's hosts share this interpreter's venv as their runtime; run geotrain "
-            "from its venv (`make setup`, then .venv/bin/geotrain)"
-        )
     if plan is not None:
         packages: set[str] = set()
         for n in plan.nodes:
@@ -119,15 +121,16 @@ def _host_spec(plan: Plan, node: PlanNode) -> HostSpec:
     return render_host(plan, node, ROLE)[0]
 
 
-def hosts(plan: Plan, state_dir: Path) -> dict[str, Host]:
-    """The lab's hosts (attached to their running systemd when they are up)."""
+def hosts(plan: Plan, state_dir: Path, venv: Path) -> dict[str, Host]:
+    """The lab's hosts (attached to their running systemd when they are up), sharing the
+    runtime venv `venv` read-only."""
     out = {}
     for n in plan.nodes:
         h = Host(
             name=n.name,
             netns=str(n.netns),
             state_dir=state_dir / "hosts" / n.name,
-            binds=(Bind(sys.prefix, VENV_IN_HOST),),
+            binds=(Bind(str(venv), VENV_IN_HOST),),
         )
         h.pid = find_systemd(h.netns)
         out[n.name] = h
@@ -146,7 +149,8 @@ def lab_up(plan: Plan, state_dir: Path, wait_s: float = 60.0) -> dict[str, objec
     try:
         state_dir.mkdir(parents=True, exist_ok=True)
         _wire(plan)
-        fleet = hosts(plan, state_dir)
+        venv = runtime_venv(runtime_wheel(), VENVS)
+        fleet = hosts(plan, state_dir, venv)
         for h in fleet.values():
             h.start()
         keys = {}

@@ -179,7 +179,12 @@ class Apply:
                 "backup": self._backup(dest) if old is not None else None,
                 "owner": _stat_of(dest) if old is not None else None,
             }
-        dest.parent.mkdir(parents=True, exist_ok=True)
+        made = [d for d in (dest.parent, *dest.parent.parents) if not d.exists()]
+        if made:
+            dest.parent.mkdir(parents=True)
+            self.state.d["made_dirs"] = sorted(
+                {*self.state.d.get("made_dirs", []), *map(str, made)}
+            )
         tmp = dest.with_name(dest.name + ".geotrain-tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "wb") as f:
@@ -570,6 +575,9 @@ def remove(purge: bool) -> dict[str, Any]:
             (Path("/proc/sys") / key.replace(".", "/")).write_text(value)
     for dest, rec in state.d["files"].items():
         restore_file(Path(dest), rec)
+    for made in sorted(state.d.get("made_dirs", []), key=len, reverse=True):
+        with contextlib.suppress(OSError):
+            Path(made).rmdir()  # directories made for files, once empty
     frr = state.d.get("frr")
     if frr is not None:
         if frr["active"]:

@@ -9,7 +9,7 @@ image. Around them, what a provider would give:
 - the operator: a namespace from which `pulumi up` (the replay) reaches the hosts;
 - an outsider: a namespace on the first region's LAN that is not in any region subnet,
   for firewall tests.
-The runtime venv of this checkout is bind-mounted read-only into every host as
+A runtime venv built from the bundles' wheel is bind-mounted read-only into every host as
 /opt/geotrain/.venv (the agent checks that it matches the bundle).
 """
 
@@ -27,7 +27,9 @@ from typing import Any
 
 import yaml
 
-from infra.hosts import Bind, Host, remove_cgroups, stop_netns_processes
+from infra.hosts import VENV_IN_HOST, Bind, Host, remove_cgroups, runtime_venv, stop_netns_processes
+from infra.lab import VENVS
+from infra.render.bundle import runtime_wheel
 from infra.replay import Executor
 
 PREFIX = "gt-fl-"
@@ -41,10 +43,11 @@ SNAPSHOT_IGNORE = (
     "/var/lib/prometheus/",
     "/var/lib/private/",
     "/root/.cache/",
+    "/root/.history_frr",
     "/etc/.pwd.lock",
 )
 """Churn of the host itself, not of the agent: journald/timers, apt lists, Prometheus'
-own database, caches."""
+own database, caches, and the vtysh history of the tests' own queries."""
 
 
 def snapshot(host: Host) -> dict[str, str]:
@@ -224,6 +227,7 @@ def fleet(root: Path, doc: dict[str, Any]) -> Iterator[Fleet]:
 
 def _wire(f: Fleet, doc: dict[str, Any]) -> None:
     inet = PREFIX + "inet"
+    venv = runtime_venv(runtime_wheel(), VENVS)
     for ns in (inet, f.operator, f.outsider):
         _netns(f, ns)
     sh("ip", "netns", "exec", inet, "sysctl", "-qw", "net.ipv4.ip_forward=1")
@@ -244,7 +248,7 @@ def _wire(f: Fleet, doc: dict[str, Any]) -> None:
                 netns=ns,
                 state_dir=f.root / "hosts" / n["name"],
                 units=("ssh.service",),
-                binds=(Bind(sys.prefix, "/opt/geotrain/.venv"),),
+                binds=(Bind(str(venv), VENV_IN_HOST),),
             )
             host.start()
             f.hosts[n["name"]] = host

@@ -8,13 +8,13 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from infra.hosts import Bind, Host
+from infra.hosts import VENV_IN_HOST, Bind, Host, runtime_venv
+from infra.lab import VENVS
 from infra.model.load import validate
 from infra.plan import Plan, build_plan
 from infra.render.bundle import Bundle, render_bundle, runtime_wheel
@@ -71,7 +71,8 @@ def host(tmp_path: Path) -> Iterator[Host]:
             ["-n", NETNS, "link", "set", "lo", "up"],
         ):
             subprocess.run(["ip", *args], check=True)
-        h = Host("bj-0", NETNS, tmp_path / "host", binds=(Bind(sys.prefix, "/opt/geotrain/.venv"),))
+        venv = runtime_venv(runtime_wheel(), VENVS)
+        h = Host("bj-0", NETNS, tmp_path / "host", binds=(Bind(str(venv), VENV_IN_HOST),))
         h.start()
         yield h
         h.stop()

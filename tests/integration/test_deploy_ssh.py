@@ -169,8 +169,8 @@ def life(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Life]:
         for n, h in fl.hosts.items():
             extra = h.sh(
                 "ip -o link | grep -o 'wg-[^:@]*' ; ip -4 -o addr | grep -o '10\\.42[0-9./]*' ; "
-                "pgrep -a -f 'geotrain|wireguard-go|bgpd|bfdd' ; "
-                "systemctl list-units --no-legend 'geotrain*' 'wg-quick*'",
+                "pgrep -a -f 'training.worker|geotrain launch|wireguard-go|bgpd|bfdd' ; "
+                "systemctl list-units --no-legend 'geotrain-*.service' 'wg-quick*'",
                 check=False,
             ).split("\n")
             life.left[n] += [f"running: {x}" for x in extra if x.strip()]
