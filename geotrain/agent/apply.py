@@ -40,6 +40,7 @@ USERSPACE_DROPIN = UNIT_DIR / "wg-quick@.service.d" / "geotrain-userspace.conf"
 BACKUP_DIR = STATE_DIR / "backup"
 STATE_FILE = STATE_DIR / "state.json"
 PLACEHOLDER = re.compile(r"<public key of ([a-z0-9-]+)>")
+ADDRESS = re.compile(r"<address of ([a-z0-9-]+)>")
 WG_KEY = re.compile(r"^[A-Za-z0-9+/]{42}[AEIMQUYcgkosw048]=$")
 
 
@@ -54,6 +55,9 @@ class Secrets:
     """Peer gateway node -> its WireGuard public key."""
     files: dict[str, str] = field(default_factory=dict)
     """Secret file path -> content (alerting credentials, Grafana's admin password)."""
+    addresses: dict[str, str] = field(default_factory=dict)
+    """Node -> its address, for `<address of NODE>` in bundle files (hosts whose address
+    is known only at deploy time)."""
 
     @staticmethod
     def parse(data: bytes | None, node: str) -> Secrets:
@@ -62,7 +66,10 @@ class Secrets:
         try:
             raw = json.loads(data)
             return Secrets(
-                raw.get("run_key"), dict(raw.get("wireguard") or {}), dict(raw.get("files") or {})
+                raw.get("run_key"),
+                dict(raw.get("wireguard") or {}),
+                dict(raw.get("files") or {}),
+                dict(raw.get("addresses") or {}),
             )
         except (ValueError, AttributeError, TypeError):
             raise AgentError(node, "secrets", "stdin is not the secrets JSON object") from None
@@ -215,7 +222,21 @@ class Apply:
         return str(b)
 
     def src(self, rel: str) -> bytes:
-        return (self.bundle / rel).read_bytes()
+        """A bundle file with `<address of NODE>` filled in (from stdin, else as the last
+        apply installed it: addresses of existing hosts do not change)."""
+        data = (self.bundle / rel).read_bytes()
+        if b"<address of " not in data:
+            return data
+        text = data.decode()
+        missing = sorted(set(ADDRESS.findall(text)) - set(self.secrets.addresses))
+        if missing:
+            raise AgentError(
+                self.node,
+                "files",
+                f"{rel} needs the address of {', '.join(missing)}; pass "
+                '{"addresses": {NODE: IP}} with --secrets-stdin',
+            )
+        return ADDRESS.sub(lambda m: self.secrets.addresses[m.group(1)], text).encode()
 
     # -- steps ------------------------------------------------------------------------
     def users_and_dirs(self) -> None:

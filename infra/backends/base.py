@@ -53,6 +53,10 @@ class BackendContext:
     """Node -> the resource that put its bundle on the host (agent backends)."""
     bundles: dict[str, Bundle] = field(default_factory=dict)
     """Node -> its bundle (agent backends)."""
+    addresses: dict[str, pulumi.Input[str]] = field(default_factory=dict)
+    """Node -> the address its agent is reached on and peers connect to, for hosts whose
+    address exists only once deployed (cloud instances: their public IP). Hosts listed in
+    the stack use their `address`."""
     grafana_password: pulumi.Output[str] | None = None
     """Grafana's admin password when the engine made it (a secret stack output)."""
 

@@ -63,7 +63,10 @@ class SshBackend:
     role = ROLES["ssh"]
 
     def connection(self, ctx: BackendContext, node: PlanNode) -> Any:
-        return node_target(ctx.plan.model, node).connection
+        conn = node_target(ctx.plan.model, node).connection
+        if conn is not None and node.name in ctx.addresses:  # known once deployed (clouds)
+            conn.host = ctx.addresses[node.name]
+        return conn
 
     def pool(
         self, ctx: BackendContext, region: PlanRegion, parent: Parent
@@ -138,14 +141,22 @@ class SshBackend:
                 else {}
             )
             files = secret_file_values(ctx, n, parent)
+            # addresses known only once deployed, for `<address of NODE>` in the bundle
+            addrs = dict(ctx.addresses)
             secrets: pulumi.Output[str] = pulumi.Output.secret(
                 pulumi.Output.all(
                     run_key,
                     pulumi.Output.all(**peers) if peers else {},
                     pulumi.Output.all(**files) if files else {},
+                    pulumi.Output.all(**addrs) if addrs else {},
                 ).apply(
                     lambda v: json.dumps(
-                        {"run_key": v[0], "wireguard": v[1] or {}, "files": v[2] or {}}
+                        {
+                            "run_key": v[0],
+                            "wireguard": v[1] or {},
+                            "files": v[2] or {},
+                            "addresses": v[3] or {},
+                        }
                     )
                 )
             )

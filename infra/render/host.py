@@ -29,7 +29,7 @@ from infra.render.monitoring import (
     monitoring_files,
     secret_files,
 )
-from infra.render.network import render_frr, render_sysctl, render_wireguard
+from infra.render.network import render_frr, render_sysctl, render_wireguard, underlay_of
 from infra.render.packages import HostService, host_services
 from infra.render.runtime import (
     REMOTE_RUN_DIR,
@@ -199,7 +199,8 @@ def render_firewall(plan: Plan, node: PlanNode) -> str:
     if node.is_gateway:
         for t in plan.tunnels_of(node.region):
             end = t.side(node.region)
-            peers.append(end.peer_underlay)
+            peer_gw = plan.region(end.peer).gateway.name
+            peers.append(underlay_of(plan, peer_gw, end.peer_underlay))
             ports.append(str(end.port))
     lines += [
         "  chain input {",

@@ -15,6 +15,16 @@ def pubkey_placeholder(node: str) -> str:
     return f"<public key of {node}>"
 
 
+def address_placeholder(node: str) -> str:
+    """Where a host's address is known only at deploy time (a cloud instance's public IP):
+    the agent fills it in from the addresses Pulumi passes on its stdin."""
+    return f"<address of {node}>"
+
+
+def underlay_of(plan: Plan, node: str, known: str) -> str:
+    return known or address_placeholder(node)
+
+
 def render_wireguard(
     plan: Plan,
     region: str,
@@ -50,7 +60,7 @@ def render_wireguard(
         + "\n[Peer]\n"
         f"# {peer_gw}\n"
         f"PublicKey = {key}\n"
-        f"Endpoint = {end.peer_underlay}:{end.peer_port}\n"
+        f"Endpoint = {underlay_of(plan, peer_gw, end.peer_underlay)}:{end.peer_port}\n"
         "AllowedIPs = 0.0.0.0/0\n"
         "PersistentKeepalive = 15\n"
     )
