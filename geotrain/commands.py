@@ -86,6 +86,7 @@ def train(stack: str, fresh: bool, steps: int | None) -> None:
 
 def _train(stack: str, spec: LaunchSpec, spec_path: Path, run_dir: Path) -> None:
     from training.launch import launch
+    from training.plot import INSTALL_HINT, available, write_run_plot
     from training.report import EventLog, Progress, format_report, summarize
 
     nodes = [n for r in spec.regions for n in r.nodes]
@@ -124,6 +125,8 @@ def _train(stack: str, spec: LaunchSpec, spec_path: Path, run_dir: Path) -> None
         )
     click.echo(format_report(report))
     click.echo(f"report saved to {run_dir / 'report.json'}")
+    picture = write_run_plot(log.events, run_dir / "run.png") if available() else None
+    click.echo(f"picture of the run: {picture}" if picture else INSTALL_HINT)
 
 
 def _start_monitoring(stack: str, metrics_port: int, run_dir: Path) -> PrometheusProcess | None:

@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
+from training.plot import sparkline
+
 
 def flat_ring_cross_bytes(params: int, world: int, regions: int) -> float:
     """Cross-region bytes per step of one flat fp32 ring all-reduce (what DDP does by
@@ -126,6 +128,7 @@ def summarize(log: EventLog, spec_steps: int) -> dict[str, Any]:
         "regions": regions,
         "steps": max(curve),
         "loss_curve": {s: round(curve[s], 4) for s in marks if s in curve},
+        "loss_sparkline": sparkline(list(curve.values()), 40),
         "final_loss_per_region": {
             e["region"]: round(e["loss"], 4) for e in steps if e["step"] == max(curve)
         },
@@ -164,6 +167,7 @@ def format_report(r: dict[str, Any]) -> str:
         f"trained {r['params']:,} parameters on {r['world']} workers in {r['regions']} "
         f"regions for {r['steps']} steps",
         f"loss curve (step:loss)  {curve}",
+        f"loss, every step        {r.get('loss_sparkline', '')}",
         "final loss per region   "
         + "  ".join(f"{k} {v:.3f}" for k, v in r["final_loss_per_region"].items()),
         f"cross-region bytes      {r['cross_region_wire_bytes'] / 1e6:.2f} MB sent "
