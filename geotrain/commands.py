@@ -51,6 +51,15 @@ def prepare_local_run(
             "runs single-machine stacks (local, lab). For ssh/kubernetes use "
             "`pulumi up`, which starts `geotrain launch` on every node"
         )
+    if "lab" in kinds:  # workers talk across regions only over the lab's overlay
+        from infra.lab import not_running
+
+        down = not_running(plan)
+        if down:
+            raise SpecError(
+                f"the lab of stack {model.stack} is not up ({', '.join(down[:3])} not "
+                f"running); build it first with `sudo geotrain lab up --stack {model.stack}`"
+            )
     spec = render_launch_spec(plan)
     run_dir = local_run_dir(model)
     if fresh:  # every node's root: the dir may hold {node} or {region}

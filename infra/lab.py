@@ -333,6 +333,11 @@ def _has_routes(plan: Plan, region: str) -> bool:
     return all(o.subnet in table for o in plan.regions if o.name != region)
 
 
+def not_running(plan: Plan) -> list[str]:
+    """Lab hosts whose systemd is not running (all of them when the lab is down)."""
+    return [str(n.netns) for n in plan.nodes if find_systemd(str(n.netns)) is None]
+
+
 def lab_down(plan: Plan, state_dir: Path) -> list[str]:
     """Remove every namespace, process, cgroup and file of this stack's lab; returns what
     went."""
