@@ -169,7 +169,8 @@ def life(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Life]:
         for n, h in fl.hosts.items():
             extra = h.sh(
                 "ip -o link | grep -o 'wg-[^:@]*' ; ip -4 -o addr | grep -o '10\\.42[0-9./]*' ; "
-                "pgrep -a -f 'training.worker|geotrain launch|wireguard-go|bgpd|bfdd' ; "
+                # [x]yz: the pattern does not match this shell's own command line
+                "pgrep -a -f '[t]raining.worker|[g]eotrain launch|[w]ireguard-go|[b]gpd|[b]fdd'; "
                 "systemctl list-units --no-legend 'geotrain-*.service' 'wg-quick*'",
                 check=False,
             ).split("\n")
