@@ -113,7 +113,13 @@ def keygen(out: str) -> None:
     click.echo(f"{'created' if created else 'kept existing'} {out}")
 
 
-for command in (commands.train, commands.launch_node, commands.check, commands.top):
+for command in (
+    commands.train,
+    commands.launch_node,
+    commands.check,
+    commands.top,
+    commands.plan_cmd,
+):
     cli.add_command(command)
 cli.add_command(host_commands.lab)
 cli.add_command(host_commands.node)

@@ -276,3 +276,24 @@ def top(stack: str, once: bool, interval: float) -> None:
         click.clear()
         click.echo(f"geotrain top - {plan.stack} (Ctrl-C to quit)\n{text}")
         time.sleep(interval)
+
+
+@click.command("plan")
+@STACK
+@click.option("--mfu", default=0.4, show_default=True, help="Model FLOPs utilisation, (0, 1].")
+@click.option(
+    "--tokens",
+    type=float,
+    default=None,
+    help="Tokens of the whole run (default: steps x the stack's tokens per step).",
+)
+@friendly
+def plan_cmd(stack: str, mfu: float, tokens: float | None) -> None:
+    """Days, cross-region TB/day and GPU cost of the stack's run per sync mode, with the
+    formulas (infra/planner.py)."""
+    from infra.model import load_stack
+    from infra.plan import build_plan
+    from infra.planner import estimate, format_plan, inputs_from_plan
+
+    inputs = inputs_from_plan(build_plan(load_stack(stack)), mfu, tokens)
+    click.echo(format_plan(inputs, estimate(inputs)))

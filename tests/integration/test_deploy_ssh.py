@@ -49,6 +49,7 @@ class Life:
     routes: dict[str, str] = field(default_factory=dict)
     first: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     firewall: dict[str, str] = field(default_factory=dict)
+    verify: list[str] = field(default_factory=list)
     again: Deployment | None = None
     change: Deployment | None = None
     after_change: dict[str, Any] = field(default_factory=dict)
@@ -137,6 +138,18 @@ def life(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Life]:
             "bj-gw->bj-w1 node-exporter": fl.can_connect("gt-fl-bj-gw", "10.42.1.11", 9100),
             "operator->bj-w1 ssh": fl.can_connect(fl.operator, "198.18.1.11", 22),
         }
+        for n in ("bj-gw", "bj-w1"):  # the units the agent installed, as systemd reads them
+            r = fl.hosts[n].exec(
+                [
+                    "systemd-analyze",
+                    "verify",
+                    "/etc/systemd/system/geotrain-worker.service",
+                    "/etc/systemd/system/geotrain-firewall.service",
+                ],
+                check=False,
+            )
+            life.verify += [f"{n}: exit {r.returncode}"] if r.returncode else []
+            life.verify += [f"{n}: {ln}" for ln in r.stderr.splitlines() if "geotrain" in ln]
         life.again = replay.up(load_stack(str(stack)))
 
         # the codec and a tag change: every host's spec changes, no host is replaced
@@ -213,6 +226,10 @@ def test_the_firewall_admits_the_region_and_admins_and_drops_everyone_else(life:
         "bj-gw->bj-w1 node-exporter": "open",
         "operator->bj-w1 ssh": "open",
     }
+
+
+def test_the_installed_units_pass_systemd_analyze_verify(life: Life) -> None:
+    assert life.verify == []
 
 
 def test_a_second_up_changes_nothing(life: Life) -> None:

@@ -1,0 +1,88 @@
+"""`geotrain plan`: the formulas it shows are the ones it computes with."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from click.testing import CliRunner
+
+from geotrain.cli import cli
+from infra.model import load_stack
+from infra.plan import build_plan
+from infra.planner import Inputs, PlanInputError, active_parameters, estimate, inputs_from_plan
+from training.model import preset
+
+BASE = Inputs(
+    active_params=7e9,
+    tokens=2e12,
+    tokens_per_step=4e6,
+    gpus=192,
+    peak_flops=312e12,
+    mfu=0.4,
+    regions=3,
+    link_gbps=10.0,
+    usd_per_gpu_hour=4.1,
+    diloco_h=100,
+    bits=8,
+)
+
+
+def test_compute_days_are_six_n_d_over_the_fleet() -> None:
+    one = dataclasses.replace(BASE, regions=1)
+    rows = estimate(one)
+    expect = 6 * 7e9 * 2e12 / (192 * 312e12 * 0.4) / 86_400
+    assert all(r.days == pytest.approx(expect) and r.tb_per_day == 0 for r in rows)
+    assert rows[0].usd == pytest.approx(192 * 4.1 * expect * 24)
+
+
+def test_diloco_sends_h_times_fewer_bytes_per_step_than_per_step_sync() -> None:
+    fp32, int8, diloco, _ = estimate(BASE)
+    steps = 2e12 / 4e6
+    # per sync the 3 regions send 2 (R - 1) N b bytes in all
+    assert int8.tb_per_day * int8.days == pytest.approx(steps * 2 * 2 * 7e9 * 1 / 1e12)
+    assert fp32.tb_per_day * fp32.days == pytest.approx(4 * int8.tb_per_day * int8.days)
+    assert diloco.tb_per_day * diloco.days == pytest.approx(int8.tb_per_day * int8.days / 100)
+    assert fp32.days > int8.days > diloco.days >= diloco.compute_days
+
+
+def test_streaming_hides_a_sync_that_fits_behind_tau_steps() -> None:
+    rows = estimate(dataclasses.replace(BASE, link_gbps=1000.0))
+    streaming = rows[-1]
+    assert streaming.days == pytest.approx(streaming.compute_days)
+    assert streaming.sync_share == pytest.approx(0.0)
+
+
+def test_an_moe_token_counts_only_its_top_k_routed_experts() -> None:
+    c = preset("deepseek-base")
+    n = active_parameters(c)
+    assert 0 < n < 2_201_490_432  # fewer than all parameters (2.2 B)
+    tiny = active_parameters(preset("deepseek-tiny"))
+    routed = 3 * 128 * 256 * 6 * 3  # w1, w2, w3 of 6 experts in each of the 3 MoE blocks
+    assert tiny == pytest.approx(2_452_992 - routed * (1 - 2 / 6))
+
+
+def test_the_global_stack_plans_its_time_based_merges_as_h_steps() -> None:
+    i = inputs_from_plan(build_plan(load_stack("global")), 0.4)
+    assert i.gpus == 192 and i.regions == 3 and i.link_gbps == 5.0 and i.bits == 4
+    step_s = 6 * i.active_params * i.tokens_per_step / (192 * 312e12 * 0.4)
+    assert i.diloco_h == round(30 * 60 / step_s)
+
+
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["--stack", "local"], "runs on cpu workers"),
+        (["--stack", "global", "--mfu", "0"], "--mfu must be in (0, 1]"),
+        (["--stack", "global", "--tokens", "-5"], "tokens must be a positive number"),
+    ],
+)
+def test_broken_planner_inputs_are_one_line_exit_2(args: list[str], words: str) -> None:
+    r = CliRunner().invoke(cli, ["plan", *args])
+    assert r.exit_code == 2, r.output
+    assert words in r.output and len(r.output.strip().splitlines()) == 1
+
+
+def test_bad_inputs_raise_plan_input_error() -> None:
+    with pytest.raises(PlanInputError, match="bits must be"):
+        estimate(dataclasses.replace(BASE, bits=3))
