@@ -7,7 +7,9 @@ The lab builds only what a datacenter would give a real host, then runs the agen
 - per region a LAN: a bridge in the lab's switch namespace `gt-<stack>-sw`, with each
   host's `eth0` plugged in;
 - per link a cable between the two gateways (the "internet"): a veth pair `u-<peer>`
-  with a /30 from network.underlay_cidr.
+  with a /30 from network.underlay_cidr; when the link has a latency, two cables to a
+  relay namespace `gt-<stack>-r<i>` whose user-space relay (infra/relay.py) delays every
+  datagram by the link's latency_ms each way.
 Then, per host, the agent (`geotrain node prepare/apply`, entered with nsenter instead of
 SSH) installs the rest from the node's bundle: the region address on eth0, the route to
 the overlay, WireGuard tunnels (wg-quick; wireguard-go where the kernel has no module)
@@ -25,6 +27,7 @@ import hashlib
 import json
 import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -149,6 +152,7 @@ def lab_up(plan: Plan, state_dir: Path, wait_s: float = 60.0) -> dict[str, objec
     try:
         state_dir.mkdir(parents=True, exist_ok=True)
         _wire(plan)
+        _relays(plan, state_dir)
         venv = runtime_venv(runtime_wheel(), VENVS)
         fleet = hosts(plan, state_dir, venv)
         for h in fleet.values():
@@ -212,26 +216,61 @@ def _wire(plan: Plan) -> None:
 
 
 def _cable(plan: Plan, t: Tunnel) -> None:
+    """The link's cable: a veth pair between the gateways, or, when the link has a latency,
+    two cables to a relay namespace in the middle (infra/relay.py delays every datagram)."""
     ga, gb = plan.region(t.a).gateway, plan.region(t.b).gateway
     na, nb = str(ga.netns), str(gb.netns)
-    sh(
-        "ip",
-        "-n",
-        na,
-        "link",
-        "add",
-        t.a_uplink,
-        "type",
-        "veth",
-        "peer",
-        "name",
-        t.b_uplink,
-        "netns",
-        nb,
-    )
-    for ns, dev, addr in ((na, t.a_uplink, t.a_underlay), (nb, t.b_uplink, t.b_underlay)):
+    if t.relay_netns is None:
+        _veth(na, t.a_uplink, nb, t.b_uplink)
+        ends = [(na, t.a_uplink, t.a_underlay), (nb, t.b_uplink, t.b_underlay)]
+    else:
+        r = t.relay_netns
+        sh("ip", "netns", "add", r)
+        sh("ip", "-n", r, "link", "set", "lo", "up")
+        _veth(na, t.a_uplink, r, "to-a")
+        _veth(nb, t.b_uplink, r, "to-b")
+        ends = [
+            (na, t.a_uplink, t.a_underlay),
+            (nb, t.b_uplink, t.b_underlay),
+            (r, "to-a", str(t.a_relay)),
+            (r, "to-b", str(t.b_relay)),
+        ]
+    for ns, dev, addr in ends:
         sh("ip", "-n", ns, "addr", "add", f"{addr}/30", "dev", dev)
         sh("ip", "-n", ns, "link", "set", dev, "up")
+
+
+def _veth(ns: str, name: str, peer_ns: str, peer_name: str) -> None:
+    sh("ip", "-n", ns, "link", "add", name, "type", "veth", "peer", "name", peer_name,
+       "netns", peer_ns)  # fmt: skip
+
+
+def _relays(plan: Plan, state_dir: Path) -> None:
+    for t in plan.tunnels:
+        if t.relay_netns is not None:
+            _start_relay(t, state_dir)
+
+
+def _start_relay(t: Tunnel, state_dir: Path) -> None:
+    """The relay of a link with latency; it lives until `lab down` kills its namespace."""
+    assert t.relay_netns is not None
+    argv = [
+        str(t.a_relay), str(t.b_port), t.a_underlay, str(t.a_port),
+        str(t.b_relay), t.b_underlay, str(t.latency_ms),
+    ]  # fmt: skip
+    log_path = state_dir / f"relay-{t.index}.log"
+    with open(log_path, "w") as log:
+        p = subprocess.Popen(
+            ["ip", "netns", "exec", t.relay_netns, sys.executable, "-m", "infra.relay", *argv],
+            stdout=subprocess.PIPE,
+            stderr=log,
+            text=True,
+            cwd=REPO_ROOT,
+            start_new_session=True,
+        )
+    assert p.stdout is not None
+    if p.stdout.readline().strip() != "ready":
+        raise LabError(f"the delay relay of link {t.a}-{t.b} did not start; see {log_path}")
 
 
 def _bundles(plan: Plan, state_dir: Path) -> dict[str, Path]:
@@ -333,6 +372,12 @@ def _has_routes(plan: Plan, region: str) -> bool:
     return all(o.subnet in table for o in plan.regions if o.name != region)
 
 
+def _namespaces(plan: Plan) -> list[str]:
+    """Every namespace of the lab: hosts, the switch, the relays."""
+    relays = [str(t.relay_netns) for t in plan.tunnels if t.relay_netns]
+    return [str(n.netns) for n in plan.nodes] + [switch_netns(plan), *relays]
+
+
 def not_running(plan: Plan) -> list[str]:
     """Lab hosts whose systemd is not running (all of them when the lab is down)."""
     return [str(n.netns) for n in plan.nodes if find_systemd(str(n.netns)) is None]
@@ -343,7 +388,7 @@ def lab_down(plan: Plan, state_dir: Path) -> list[str]:
     went."""
     removed = []
     existing = set(sh("ip", "netns", "list", check=False).split())
-    for ns in [str(n.netns) for n in plan.nodes] + [switch_netns(plan)]:
+    for ns in _namespaces(plan):
         if ns in existing:
             stop_netns_processes(ns)
             remove_cgroups(ns)
@@ -357,7 +402,7 @@ def lab_down(plan: Plan, state_dir: Path) -> list[str]:
 
 def leftovers(plan: Plan, state_dir: Path | None = None) -> list[str]:
     """What of this stack's lab still exists (for `lab down` verification and tests)."""
-    names = {str(n.netns) for n in plan.nodes} | {switch_netns(plan)}
+    names = set(_namespaces(plan))
     out = [ns for ns in sh("ip", "netns", "list", check=False).split() if ns in names]
     out += [str(p) for ns in names for p in _cgroups_of(ns) if p.exists()]
     if state_dir is not None and state_dir.exists():

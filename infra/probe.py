@@ -1,6 +1,6 @@
 """Small network probes run inside lab namespaces (tests and benchmarks): a UDP echo, a
-prober that timestamps replies, and a raw-socket capture that counts frames holding a
-marker. Run as `python -m infra.probe echo|probe|capture ...`."""
+prober that timestamps replies, a round-trip timer, and a raw-socket capture that counts
+frames holding a marker. Run as `python -m infra.probe echo|probe|rtt|capture ...`."""
 
 from __future__ import annotations
 
@@ -49,6 +49,23 @@ def probe(host: str, port: int, seconds: float, interval: float = 0.01) -> None:
     print(json.dumps({"sent": seq, "replies": replies}))
 
 
+def rtt(host: str, port: int, count: int) -> None:
+    """Round trips to an echo server, one at a time: print the seconds each took."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    s.settimeout(2.0)
+    out = []
+    for seq in range(count):
+        t0 = time.monotonic()
+        s.sendto(f"rtt {seq}".encode(), (host, port))
+        try:
+            while s.recv(2048) != f"rtt {seq}".encode():  # a late reply to an earlier probe
+                pass
+        except TimeoutError:
+            continue
+        out.append(time.monotonic() - t0)
+    print(json.dumps({"sent": count, "rtts": out}))
+
+
 def capture(ifname: str, seconds: float, marker: str) -> None:
     """Count frames on `ifname` and those containing `marker` (AF_PACKET, all protocols)."""
     s = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(0x0003))
@@ -74,5 +91,7 @@ if __name__ == "__main__":
         echo(rest[0], int(rest[1]), float(rest[2]))
     elif cmd == "probe":
         probe(rest[0], int(rest[1]), float(rest[2]))
+    elif cmd == "rtt":
+        rtt(rest[0], int(rest[1]), int(rest[2]))
     elif cmd == "capture":
         capture(rest[0], float(rest[1]), rest[2])

@@ -123,12 +123,13 @@ def _addresses(m: StackModel, source: str) -> None:
             f"{net.overlay_cidr}; the underlay must be separate",
         )
     lab = any(r.pool.kind == "lab" for r in m.regions)
-    if lab and net.underlay_cidr.num_addresses // 4 < len(net.links):
+    need = 2 * len(net.links)  # two cables per link: gateway - relay - gateway
+    if lab and net.underlay_cidr.num_addresses // 4 < need:
         raise _err(
             source,
             "network.underlay_cidr",
-            f"{net.underlay_cidr} holds {net.underlay_cidr.num_addresses // 4} /30 links, "
-            f"{len(net.links)} needed; use /{_prefix_for(4 * len(net.links))} or larger",
+            f"{net.underlay_cidr} holds {net.underlay_cidr.num_addresses // 4} /30 cables, "
+            f"{need} needed (two per link); use /{_prefix_for(4 * need)} or larger",
         )
     seen: dict[str, str] = {}
     for i, r in enumerate(m.regions):

@@ -50,15 +50,80 @@ class SshSettings(Strict):
     """Secret config key holding the operator's SSH private key (`pulumi config set --secret`)."""
 
 
+QUANTITY = r"^[0-9]+(\.[0-9]+)?(m|k|Ki|M|Mi|G|Gi|T|Ti)?$"
+"""A Kubernetes resource quantity such as 500m, 16Gi or 4."""
+
+
+class Toleration(Strict):
+    key: str | None = None
+    """Taint key the pods tolerate (None with operator Exists: every taint)."""
+    operator: Literal["Equal", "Exists"] = "Equal"
+    """Equal matches key and value; Exists matches the key alone."""
+    value: str | None = None
+    """Taint value (operator Equal)."""
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
+    """Taint effect tolerated (None: every effect)."""
+
+
 class KubernetesSettings(Strict):
     kubeconfig_config: str = "geotrain:kubeconfig"
-    """Secret config key holding this region's kubeconfig."""
+    """Secret config key holding this region's kubeconfig (`pulumi config set --secret
+    geotrain:kubeconfig < FILE`); never the ambient ~/.kube/config or $KUBECONFIG."""
     context: str | None = None
-    """kubeconfig context to use (default: current)."""
+    """Context of that kubeconfig to use; required (there is no fall-back to the current
+    context)."""
     namespace: str = Field(default="geotrain", pattern=NAME_PATTERN)
-    """Namespace created for the region's workers."""
-    image: str = "ghcr.io/geotrain/runtime:0.1.0"
-    """Container image holding the geotrain runtime."""
+    """Namespace created for the region's workers and gateway."""
+    cluster_domain: str = Field(
+        default="cluster.local", pattern=r"^[a-z0-9]([a-z0-9.-]*[a-z0-9])?$"
+    )
+    """The cluster's DNS domain: pods are reached as <pod>.<service>.<namespace>.svc.<domain>."""
+    image: str = Field(default="ghcr.io/geotrain/runtime", pattern=r"^[a-z0-9][a-z0-9._/:-]*$")
+    """Image of the runtime (the repository's Dockerfile, target runtime), without tag."""
+    tag: str = Field(default="0.1.0-cpu", pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
+    """Tag of `image`."""
+    variant: Literal["cpu", "cuda"] = "cpu"
+    """The Dockerfile's VARIANT build argument the image was built with; GPU nodes need
+    cuda."""
+    gateway_image: str = Field(
+        default="ghcr.io/geotrain/gateway:0.1.0", pattern=r"^[a-z0-9][a-z0-9._/:-]*$"
+    )
+    """Image of the WireGuard + FRR gateway (the Dockerfile's target gateway), with tag."""
+    workload: Literal["statefulset", "jobset"] = "statefulset"
+    """Workers in a StatefulSet (checkpoints on a volume per pod; an idle pod after the
+    last step) or a JobSet (jobset.x-k8s.io: runs to completion; needs the JobSet
+    controller)."""
+    pod_cidr: ipaddress.IPv4Network | None = None
+    """The cluster's pod CIDR, inside network.overlay_cidr; the region's gateway announces
+    it over BGP (required when the stack has more than one region)."""
+    gpu_resource: str = "nvidia.com/gpu"
+    """Extended resource requested per GPU (the NVIDIA device plugin's by default)."""
+    cpu: str | None = Field(default=None, pattern=QUANTITY)
+    """CPU request (and limit) per worker pod, e.g. "32" (None: no request)."""
+    memory: str | None = Field(default=None, pattern=QUANTITY)
+    """Memory request (and limit) per worker pod, e.g. 256Gi (None: no request)."""
+    shm_size: str = Field(default="16Gi", pattern=QUANTITY)
+    """Size of /dev/shm (an emptyDir in memory): NCCL and data loaders need more than the
+    runtime's 64 MiB default."""
+    node_selector: dict[str, str] = Field(default_factory=dict)
+    """nodeSelector of the worker pods, e.g. {nvidia.com/gpu.product: NVIDIA-H100-80GB-HBM3}."""
+    tolerations: list[Toleration] = Field(default_factory=list)
+    """Tolerations of the worker pods (GPU nodes are often tainted)."""
+    gateway_node_selector: dict[str, str] = Field(
+        default_factory=lambda: {"geotrain.io/gateway": "true"}
+    )
+    """nodeSelector of the gateway pod: the node whose public address is the region's
+    gateway node `address` in the stack (peers send WireGuard there)."""
+    checkpoint_storage: str = Field(default="50Gi", pattern=QUANTITY)
+    """StatefulSet: size of each pod's volume for checkpoints and run files."""
+    storage_class: str | None = None
+    """StorageClass of those volumes (None: the cluster's default)."""
+    monitoring_release: str = "kube-prometheus-stack"
+    """`release` label kube-prometheus-stack selects PodMonitors and PrometheusRules by."""
+    monitoring_namespace: str = Field(default="monitoring", pattern=NAME_PATTERN)
+    """Namespace of Prometheus and Grafana: scrapes come from there; the dashboard goes there."""
+    dcgm_namespace: str = Field(default="gpu-operator", pattern=NAME_PATTERN)
+    """Namespace of the GPU Operator's dcgm-exporter Service (scraped when GPUs are used)."""
 
 
 class Pool(Strict):
@@ -95,7 +160,8 @@ class Link(Strict):
     bandwidth_mbps: int = Field(default=1000, ge=1, le=400_000)
     """Link bandwidth; the lab shapes its underlay to this with tc tbf."""
     latency_ms: float = Field(default=50.0, ge=0, le=1000)
-    """Expected one-way latency (informational: netem is not available for the lab)."""
+    """One-way latency. The lab gives the link this latency with a UDP delay relay in the
+    middle of its cable (the kernel here has no netem); elsewhere it is informational."""
     cost: int = Field(default=10, ge=1, le=1000)
     """Routing cost: the cheapest healthy path wins (BGP AS-path prepends = cost // 10)."""
     shape: bool | None = None

@@ -81,6 +81,14 @@ class Tunnel:
     cost: int
     prepend: int
     """AS-path prepends that turn link cost into BGP preference."""
+    latency_ms: float = 0.0
+    """One-way latency of the link (the lab delays it with a relay: infra/relay.py)."""
+    a_relay: str | None = None
+    """lab with latency: the relay's address on a's cable (a's endpoint for b)."""
+    b_relay: str | None = None
+    """lab with latency: the relay's address on b's cable (b's endpoint for a)."""
+    relay_netns: str | None = None
+    """lab with latency: the namespace the relay runs in."""
 
     def side(self, region: str) -> TunnelEnd:
         """The tunnel as seen from `region`'s gateway."""
@@ -93,7 +101,7 @@ class Tunnel:
                 self.a_ifname,
                 self.b,
                 self.a_underlay,
-                self.b_underlay,
+                self.a_relay or self.b_underlay,
             )
         return TunnelEnd(
             self.b_ip,
@@ -103,7 +111,7 @@ class Tunnel:
             self.b_ifname,
             self.a,
             self.b_underlay,
-            self.a_underlay,
+            self.b_relay or self.a_underlay,
         )
 
 
@@ -116,6 +124,7 @@ class TunnelEnd(NamedTuple):
     peer: str
     underlay: str
     peer_underlay: str
+    """Where this gateway sends the tunnel's datagrams (the peer, or the lab's relay)."""
 
 
 @dataclass(frozen=True)
@@ -213,7 +222,20 @@ def _tunnels(m: StackModel, regions: list[PlanRegion]) -> tuple[Tunnel, ...]:
     out = []
     for i, link in enumerate(net.links):
         t31 = transfer[i]
-        ua, ub = _underlay(m, link, by_name, underlay[i] if i < len(underlay) else None)
+        lab = by_name[link.a].kind == "lab"
+        # lab cables: two /30s per link, gateway a - relay - gateway b (one used when the
+        # link has no latency and the gateways are joined directly)
+        cable_a = underlay[2 * i] if lab and 2 * i + 1 < len(underlay) else None
+        cable_b = underlay[2 * i + 1] if lab and 2 * i + 1 < len(underlay) else None
+        relay = lab and link.latency_ms > 0
+        ra: str | None = None
+        rb: str | None = None
+        if relay:
+            assert cable_a is not None and cable_b is not None  # checks.py: room for both
+            ha, hb = list(cable_a.hosts()), list(cable_b.hosts())
+            ua, ub, ra, rb = str(ha[0]), str(hb[1]), str(ha[1]), str(hb[0])
+        else:
+            ua, ub = _underlay(m, link, by_name, cable_a)
         out.append(
             Tunnel(
                 index=i,
@@ -232,6 +254,10 @@ def _tunnels(m: StackModel, regions: list[PlanRegion]) -> tuple[Tunnel, ...]:
                 b_uplink=ifname("u-", link.a),
                 bandwidth_mbps=link.bandwidth_mbps,
                 shape_mbps=link.bandwidth_mbps if _shaped(link, by_name[link.a].kind) else None,
+                latency_ms=link.latency_ms,
+                a_relay=ra,
+                b_relay=rb,
+                relay_netns=f"gt-{m.stack}-r{i}" if relay else None,
                 cost=link.cost,
                 prepend=link.cost // 10 - 1 if link.cost >= 10 else 0,
             )

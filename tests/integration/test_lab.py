@@ -112,6 +112,24 @@ def test_plaintext_between_regions_never_appears_on_the_underlay(plan: Plan) -> 
     assert under["marker_frames"] == 0  # ... but only encrypted
 
 
+def test_each_link_adds_its_latency_to_the_round_trip_over_the_overlay(plan: Plan) -> None:
+    """The relay in the middle of each cable delays every datagram by latency_ms each way:
+    a round trip between two regions' workers over their (cheapest, direct) link takes
+    2 x latency, plus what the tunnels and the relay cost here."""
+    for t in plan.tunnels:
+        if t.cost > 10:  # costlier links may lose to a two-hop path: not a direct RTT
+            continue
+        src = next(n for n in plan.region(t.a).nodes if not n.is_gateway)
+        dst = next(n for n in plan.region(t.b).nodes if not n.is_gateway)
+        echo = _ready(_in(str(dst.netns), "echo", dst.private_ip, "7004", "8"))
+        rtts = sorted(_out(_in(str(src.netns), "rtt", dst.private_ip, "7004", "9"))["rtts"])
+        echo.kill()
+        echo.wait()
+        assert len(rtts) >= 8, f"{t.a}-{t.b}: lost probes {rtts}"
+        median, want = rtts[len(rtts) // 2], 2 * t.latency_ms / 1000
+        assert want <= median <= want + 0.05, f"{t.a}-{t.b}: median RTT {median:.3f} s"
+
+
 def _uplink(plan: Plan, src: str, dst: str) -> str:
     """`src` gateway's cable towards `dst` (the underlay the tunnel runs over)."""
     t = next(t for t in plan.tunnels if {t.a, t.b} == {src, dst})

@@ -190,14 +190,14 @@ BROKEN = [
         "lab",
         _set("geotrain:network.underlay_cidr", "100.127.0.0/30"),
         "geotrain:network.underlay_cidr",
-        "holds 1 /30 links, 3 needed; use /28 or larger",
+        "holds 1 /30 cables, 6 needed (two per link); use /27 or larger",
     ),
     (
         "lab-underlay-single-address",
         "lab",
         _set("geotrain:network.underlay_cidr", "100.127.0.0/32"),
         "geotrain:network.underlay_cidr",
-        "holds 0 /30 links",
+        "holds 0 /30 cables",
     ),
     (
         "wireguard-ports-past-65535",
