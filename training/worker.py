@@ -1,4 +1,5 @@
-"""One training rank: `python -m training.worker --spec FILE --node NAME --local-rank I`.
+"""One training rank: `python -m training.worker --spec FILE --node NAME --local-rank I`,
+or under torchrun `python -m training.worker --torchrun --spec FILE` (training.torchrun).
 
 Reads only the launch spec. Every check that can fail on bad input (key file, data shard,
 world size) runs before the process group starts, so a bad spec fails fast and clearly.
@@ -32,6 +33,7 @@ from training.metrics import RuntimeMetrics
 from training.model import DeepSeekLM, preset
 from training.spec import LaunchSpec, metrics_port
 from training.topology import Groups, Topology, make_groups
+from training.torchrun import agent_store, from_env
 
 RENDEZVOUS_TIMEOUT_S = 600
 """How long the global store waits for every rank to join."""
@@ -142,14 +144,11 @@ def setup(spec: LaunchSpec, node_name: str, local_rank: int, events: Path | None
     device = torch.device("cuda", local_rank) if node.device == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    store = dist.TCPStore(
-        spec.master_addr,
-        spec.master_port,
-        spec.world_size,
-        rank == 0,
-        # hosts start their workers as their agents finish, minutes apart on a big fleet;
-        # the store waits that long for every rank to join (collectives keep 120 s)
-        timeout=timedelta(seconds=RENDEZVOUS_TIMEOUT_S),
+    # hosts start their workers as their agents finish, minutes apart on a big fleet;
+    # the store waits that long for every rank to join (collectives keep 120 s)
+    wait = timedelta(seconds=RENDEZVOUS_TIMEOUT_S)
+    store = agent_store(spec.world_size, wait) or dist.TCPStore(
+        spec.master_addr, spec.master_port, spec.world_size, rank == 0, timeout=wait
     )
     backend = f"cpu:{glo},cuda:nccl" if device.type == "cuda" else glo
     dist.init_process_group(
@@ -518,15 +517,23 @@ def run(
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m training.worker")
     ap.add_argument("--spec", required=True)
-    ap.add_argument("--node", required=True)
-    ap.add_argument("--local-rank", type=int, required=True)
+    ap.add_argument("--node")
+    ap.add_argument("--local-rank", type=int)
+    ap.add_argument("--torchrun", action="store_true", help="node and rank from torchrun's env")
     a = ap.parse_args(argv)
+    if not a.torchrun and (a.node is None or a.local_rank is None):
+        ap.error("--node and --local-rank are required (or --torchrun under torchrun)")
     torch.set_num_threads(int(os.environ.get("GEOTRAIN_THREADS", "1")))
     events = os.environ.get("GEOTRAIN_EVENTS")
     run_dir = os.environ.get("GEOTRAIN_RUN_DIR")
     try:
+        spec = LaunchSpec.load(a.spec)
+        if a.torchrun:
+            t = from_env(spec, os.environ)
+            a.node, a.local_rank = t.node, t.local_rank
+            os.environ["GEOTRAIN_RESTART"] = str(t.restart)  # the codec's epoch
         run(
-            LaunchSpec.load(a.spec),
+            spec,
             a.node,
             a.local_rank,
             Path(events) if events else None,
