@@ -34,7 +34,7 @@ def pool_facts(plan: Plan, r: PlanRegion) -> dict[str, Any]:
 
 def overlay_facts(plan: Plan) -> dict[str, Any]:
     single_host = plan.regions[0].kind == "local"
-    return {
+    facts: dict[str, Any] = {
         "links": [
             {
                 "a": t.a,
@@ -46,6 +46,34 @@ def overlay_facts(plan: Plan) -> dict[str, Any]:
         ],
         "tags": tags(plan),
     }
+    if plan.regions[0].kind == "kubernetes":
+        facts.update(_kubernetes_overlay(plan))
+    return facts
+
+
+def _kubernetes_overlay(plan: Plan) -> dict[str, Any]:
+    """Kubernetes regions: links are WireGuard tunnels between the regions' gateway pods
+    (one region: no links, no gateway); pods reach them over the cluster network."""
+    from infra.render import k8s
+
+    gateways = {
+        r.name: f"{k8s.names(plan, r).gateway} (Deployment, hostNetwork)"
+        for r in plan.regions
+        if k8s.multi_region(plan)
+    }
+    links = [
+        {
+            **link,
+            "transport": k8s.TRANSPORT,
+            "endpoints": [gateways[link["a"]], gateways[link["b"]]],
+        }
+        for link in overlay_links(plan)
+    ]
+    return {"links": links, "gateways": gateways}
+
+
+def overlay_links(plan: Plan) -> list[dict[str, Any]]:
+    return [{"a": t.a, "b": t.b, "ifnames": [t.a_ifname, t.b_ifname]} for t in plan.tunnels]
 
 
 def routing_facts(plan: Plan) -> dict[str, Any]:

@@ -114,6 +114,9 @@ class KubernetesSettings(Strict):
     )
     """nodeSelector of the gateway pod: the node whose public address is the region's
     gateway node `address` in the stack (peers send WireGuard there)."""
+    data_claim: str | None = Field(default=None, pattern=NAME_PATTERN)
+    """PersistentVolumeClaim in the namespace holding the region's data shards, mounted
+    read-only at /data (for `file:/data/...` shard URIs)."""
     checkpoint_storage: str = Field(default="50Gi", pattern=QUANTITY)
     """StatefulSet: size of each pod's volume for checkpoints and run files."""
     storage_class: str | None = None

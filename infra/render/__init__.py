@@ -2,6 +2,7 @@
 delivers; the Pulumi components, the offline CLI, the lab and the tests all call these."""
 
 from infra.render.artifacts import Artifact, render_all
+from infra.render.k8s import render_k8s
 from infra.render.monitoring import (
     alert_rules,
     alert_windows,
@@ -18,7 +19,7 @@ from infra.render.monitoring import (
 )
 from infra.render.network import render_frr, render_sysctl, render_wireguard
 from infra.render.packages import host_services
-from infra.render.runtime import render_k8s, render_launch_spec, render_worker_unit
+from infra.render.runtime import render_launch_spec, render_worker_unit
 
 __all__ = [
     "Artifact",

@@ -8,8 +8,9 @@ from dataclasses import dataclass
 
 from infra.plan import Plan
 from infra.render.host import render_host, role_for
+from infra.render.k8s import pod_launch_spec, render_k8s
 from infra.render.monitoring import monitoring_files
-from infra.render.runtime import render_k8s, render_launch_spec
+from infra.render.runtime import render_launch_spec
 
 
 @dataclass(frozen=True)
@@ -25,7 +26,9 @@ def render_all(plan: Plan) -> list[Artifact]:
     """The launch spec; per node that runs the host agent its host files (`nodes/<node>/`,
     the text of its bundle: host.json and what it installs); Kubernetes manifests; the
     monitoring files."""
-    spec_json = render_launch_spec(plan).to_json()
+    kube = all(r.kind == "kubernetes" for r in plan.regions)
+    # pods get node addresses they can use (their DNS names; see infra/render/k8s.py)
+    spec_json = (pod_launch_spec(plan) if kube else render_launch_spec(plan)).to_json()
     out = [Artifact("launch-spec.json", spec_json)]
     for r in plan.regions:
         role = role_for(r.kind)
@@ -37,10 +40,10 @@ def render_all(plan: Plan) -> list[Artifact]:
                     Artifact(f"nodes/{n.name}/{rel}", text, n.name)
                     for rel, text in sorted(files.items())
                 ]
-        if r.kind == "kubernetes":
-            docs = render_k8s(plan, r, spec_json)
+        if r.kind == "kubernetes":  # secrets as placeholders; kube-prometheus-stack objects
+            docs = render_k8s(plan, r)
             out.append(Artifact(f"kubernetes/{r.name}.json", json.dumps(docs, indent=2) + "\n"))
-    if plan.model.monitoring.enabled:
+    if plan.model.monitoring.enabled and not kube:
         # Prometheus, its rules and their promtool tests, Alertmanager and Grafana on the
         # monitoring host; exporter settings on ssh nodes (host paths: monitoring_files)
         out += [Artifact(f.artifact, f.content, f.node) for f in monitoring_files(plan)]

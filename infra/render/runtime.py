@@ -1,10 +1,9 @@
-"""Renderers for the training runtime: the launch spec, systemd units, k8s manifests."""
+"""Renderers for the training runtime: the launch spec and systemd units (Kubernetes
+manifests: infra/render/k8s.py)."""
 
 from __future__ import annotations
 
-from typing import Any
-
-from infra.plan import Plan, PlanNode, PlanRegion
+from infra.plan import Plan, PlanNode
 from training.spec import (
     CheckpointSpec,
     CodecSpec,
@@ -128,73 +127,3 @@ def render_worker_unit(plan: Plan, node: PlanNode) -> str:
         "\n[Install]\n"
         "WantedBy=multi-user.target\n"
     )
-
-
-def render_k8s(plan: Plan, region: PlanRegion, spec_json: str) -> list[dict[str, Any]]:
-    """Manifests of a kubernetes region: namespace, launch spec, headless service, and a
-    StatefulSet whose pod i is node i of the region (stable names = stable ranks)."""
-    pool = next(r for r in plan.model.regions if r.name == region.name).pool
-    ns = pool.kubernetes.namespace
-    labels = {
-        "app.kubernetes.io/name": "geotrain",
-        "geotrain.io/region": region.name,
-        "geotrain.io/jurisdiction": region.jurisdiction,
-        **{f"geotrain.io/{k}": v for k, v in plan.model.tags.items()},
-    }
-    gpus = region.nodes[0].gpus
-    gpu_vendor = "nvidia.com/gpu" if region.nodes[0].device == "cuda" else None
-    resources = {"limits": {gpu_vendor: gpus}} if gpu_vendor else {}
-    node_names = " ".join(n.name for n in region.nodes)
-    container = {
-        "name": "worker",
-        "image": pool.kubernetes.image,
-        "command": [
-            "/bin/sh",
-            "-c",
-            # pod ordinal -> node name from the spec, so ranks are stable
-            f"set -- {node_names}; shift ${{HOSTNAME##*-}}; "
-            "exec geotrain launch --spec /etc/geotrain/launch-spec.json --node $1",
-        ],
-        "ports": [{"name": "metrics", "containerPort": plan.model.monitoring.metrics_port}],
-        "volumeMounts": [{"name": "spec", "mountPath": "/etc/geotrain"}],
-        "resources": resources,
-    }
-    return [
-        {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns, "labels": labels}},
-        {
-            "apiVersion": "v1",
-            "kind": "ConfigMap",
-            "metadata": {"name": "geotrain-spec", "namespace": ns, "labels": labels},
-            "data": {"launch-spec.json": spec_json},
-        },
-        {
-            "apiVersion": "v1",
-            "kind": "Service",
-            "metadata": {"name": "geotrain", "namespace": ns, "labels": labels},
-            # headless ClusterIP: workers and Prometheus reach pods by name; never exposed
-            "spec": {
-                "clusterIP": "None",
-                "type": "ClusterIP",
-                "selector": labels,
-                "ports": [{"name": "metrics", "port": plan.model.monitoring.metrics_port}],
-            },
-        },
-        {
-            "apiVersion": "apps/v1",
-            "kind": "StatefulSet",
-            "metadata": {"name": "geotrain", "namespace": ns, "labels": labels},
-            "spec": {
-                "serviceName": "geotrain",
-                "replicas": len(region.nodes),
-                "podManagementPolicy": "Parallel",
-                "selector": {"matchLabels": labels},
-                "template": {
-                    "metadata": {"labels": labels},
-                    "spec": {
-                        "containers": [container],
-                        "volumes": [{"name": "spec", "configMap": {"name": "geotrain-spec"}}],
-                    },
-                },
-            },
-        },
-    ]
