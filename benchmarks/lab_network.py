@@ -266,7 +266,7 @@ def main() -> None:
         "core per rank and kernel WireGuard do not have. Each step's gradient is synced "
         "both ways; the hierarchical result is the one applied.",
         "",
-        f"BFD: {plan.model.network.bfd_interval_ms} ms x {plan.model.network.bfd_multiplier}. "
+        f"BFD: {plan.network.bfd_interval_ms} ms x {plan.network.bfd_multiplier}. "
         "Latency: each link's latency_ms, delayed each way by the lab's relay (infra/relay.py; "
         "this kernel has no netem); measured round trips over the overlay: "
         + ", ".join(f"{k} {v * 1000:.0f} ms" for k, v in rtts.items())

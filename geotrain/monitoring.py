@@ -52,9 +52,9 @@ def start_prometheus(
     """Start Prometheus on the stack's rendered config, or None (with the reason printed
     by the caller) when the binary is missing."""
     binary = shutil.which("prometheus")
-    if binary is None or not plan.model.monitoring.enabled:
+    if binary is None or not plan.monitoring.enabled:
         return None
-    mon = plan.model.monitoring
+    mon = plan.monitoring
     host = plan.monitoring_host.private_ip
     port = port or mon.prometheus_port
     conf_dir = run_dir / "prometheus"
@@ -84,7 +84,7 @@ def _start_alertmanager(plan: Plan, conf_dir: Path) -> subprocess.Popen[bytes] |
     if binary is None:
         return None
     (conf_dir / "alertmanager.yml").write_text(render_alertmanager(plan))
-    addr = f"{plan.monitoring_host.private_ip}:{plan.model.monitoring.alertmanager_port}"
+    addr = f"{plan.monitoring_host.private_ip}:{plan.monitoring.alertmanager_port}"
     cmd = [
         binary,
         f"--config.file={conf_dir / 'alertmanager.yml'}",
@@ -118,7 +118,7 @@ class RegionView:
 
 def targets(plan: Plan) -> list[tuple[str, str]]:
     """(region, url) of every runtime metrics endpoint."""
-    base = plan.model.monitoring.metrics_port
+    base = plan.monitoring.metrics_port
     out = []
     for n in plan.nodes:
         for i in range(n.gpus):

@@ -123,8 +123,7 @@ def inputs_from_plan(plan: Plan, mfu: float, tokens: float | None = None) -> Inp
 
     if not 0 < mfu <= 1:
         raise PlanInputError(f"--mfu must be in (0, 1], got {mfu}; 0.4 is a good large run")
-    m = plan.model
-    t = m.training
+    t = plan.training
     types = {n.gpu_type for n in plan.nodes}
     gpus = sum(n.gpus for n in plan.nodes)
     peak = min(GPU_TYPES[g].peak_bf16_tflops for g in types) * 1e12
@@ -133,10 +132,10 @@ def inputs_from_plan(plan: Plan, mfu: float, tokens: float | None = None) -> Inp
             f"stack {plan.stack} runs on cpu workers: there is no accelerator peak to plan "
             "with; plan a stack whose nodes name a GPU type (e.g. --stack global)"
         )
-    prices = {**{g: GPU_TYPES[g].usd_per_hour for g in types}, **m.policy.gpu_prices}
+    prices = {**{g: GPU_TYPES[g].usd_per_hour for g in types}, **plan.policy.gpu_prices}
     usd = sum(prices[n.gpu_type] * n.gpus for n in plan.nodes) / gpus
     per_step = gpus * t.batch_size * t.seq_len
-    links = [link.bandwidth_mbps / 1000 for link in m.network.links] or [float("inf")]
+    links = [link.bandwidth_mbps / 1000 for link in plan.network.links] or [float("inf")]
     n = active_parameters(preset(t.model))
     h = t.diloco.every_steps
     if h is None:  # a merge every T minutes: H is T over the step's compute time

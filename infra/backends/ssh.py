@@ -63,7 +63,7 @@ class SshBackend:
     role = ROLES["ssh"]
 
     def connection(self, ctx: BackendContext, node: PlanNode) -> Any:
-        conn = node_target(ctx.plan.model, node).connection
+        conn = node_target(ctx.plan, node).connection
         if conn is not None and node.name in ctx.addresses:  # known once deployed (clouds)
             conn.host = ctx.addresses[node.name]
         return conn
@@ -126,7 +126,7 @@ class SshBackend:
         parent: Parent,
     ) -> list[pulumi.Resource]:
         plan = ctx.plan
-        purge = not plan.model.training.checkpoint.keep_on_destroy
+        purge = not plan.training.checkpoint.keep_on_destroy
         out: list[pulumi.Resource] = []
         gateway_agent: pulumi.Resource | None = None
         for n in sorted(region.nodes, key=lambda x: not x.is_gateway):
@@ -181,7 +181,7 @@ class SshBackend:
 
 
 def _port(plan: Any, node: PlanNode) -> int:
-    return int(plan.model.region(node.region).pool.ssh.port)
+    return int(plan.region(node.region).pool.ssh.port)
 
 
 def secret_file_values(

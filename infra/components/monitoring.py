@@ -39,10 +39,10 @@ class Monitoring(pulumi.ComponentResource):
         host = plan.monitoring_host
         self.resources = (
             backend_for(plan.region(host.region)).monitoring(args.ctx, Parent(name, self))
-            if plan.model.monitoring.enabled
+            if plan.monitoring.enabled
             else []
         )
-        mon = plan.model.monitoring
+        mon = plan.monitoring
         self.prometheus_url = pulumi.Output.from_input(
             f"http://{host.private_ip}:{mon.prometheus_port}"
         )

@@ -9,14 +9,13 @@ from pulumi_command import remote
 
 from infra.components.delivery import Target
 from infra.model.pulumi_config import secret
-from infra.model.schema import StackModel
-from infra.plan import PlanNode
+from infra.plan import Plan, PlanNode
 
 
-def node_target(model: StackModel, node: PlanNode) -> Target:
+def node_target(plan: Plan, node: PlanNode) -> Target:
     if node.kind in ("local", "lab"):
         return Target(connection=None)
-    pool = model.region(node.region).pool
+    pool = plan.region(node.region).pool
     key = secret(pool.ssh.private_key_config)
     if key is None:
         _warn_unset(pool.ssh.private_key_config)

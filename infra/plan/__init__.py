@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from infra.model.gpus import GPU_TYPES
-from infra.model.schema import Link, StackModel
+from infra.model.schema import Link, Monitoring, Network, Policy, Pool, StackModel, Training
 from infra.plan.names import GATEWAY_HOST_INDEX, WORKER_HOST_OFFSET, ifname, lab_netns
 
 
@@ -51,6 +51,8 @@ class PlanRegion:
     gateway: PlanNode
     router_id: str
     """BGP router id: the gateway's private IP."""
+    pool: Pool
+    """The pool's settings (ssh login, Kubernetes cluster, cloud)."""
 
 
 @dataclass(frozen=True)
@@ -131,6 +133,7 @@ class TunnelEnd(NamedTuple):
 class Plan:
     stack: str
     model: StackModel
+    """The model the plan was built from (being retired: read the sections below)."""
     regions: tuple[PlanRegion, ...]
     tunnels: tuple[Tunnel, ...]
     world_size: int
@@ -138,6 +141,16 @@ class Plan:
     master_port: int
     monitoring_host: PlanNode
     run_id: str
+    network: Network
+    """Overlay, tunnels, routing and admin settings (validated stack settings)."""
+    training: Training
+    """The training job's settings."""
+    monitoring: Monitoring
+    """Metrics, alerting and dashboard settings."""
+    policy: Policy
+    """Guardrail settings."""
+    tags: dict[str, str]
+    """Tags on every resource."""
 
     @property
     def nodes(self) -> tuple[PlanNode, ...]:
@@ -194,6 +207,7 @@ def build_plan(m: StackModel) -> Plan:
                 nodes=tuple(nodes),
                 gateway=gateway,
                 router_id=str(subnet[GATEWAY_HOST_INDEX]),
+                pool=r.pool,
             )
         )
     tunnels = _tunnels(m, regions)
@@ -210,6 +224,11 @@ def build_plan(m: StackModel) -> Plan:
         master_port=m.training.rendezvous_port,
         monitoring_host=mon_node,
         run_id=_run_id(m),
+        network=m.network,
+        training=m.training,
+        monitoring=m.monitoring,
+        policy=m.policy,
+        tags=dict(m.tags),
     )
 
 

@@ -122,7 +122,7 @@ def render_host(plan: Plan, node: PlanNode, role: HostRole) -> tuple[HostSpec, d
                 SERVICE_USER,
                 SERVICE_USER,
                 "0750",
-                keep_on_remove=plan.model.training.checkpoint.keep_on_destroy,
+                keep_on_remove=plan.training.checkpoint.keep_on_destroy,
             ),
         ]
         units.append(
@@ -155,7 +155,7 @@ def render_host(plan: Plan, node: PlanNode, role: HostRole) -> tuple[HostSpec, d
         secret_files=secrets,
         routes=()
         if node.is_gateway
-        else (RouteSpec(str(plan.model.network.overlay_cidr), region.gateway.private_ip),),
+        else (RouteSpec(str(plan.network.overlay_cidr), region.gateway.private_ip),),
         tunnels=tuple(tunnels),
         frr=frr,
         units=tuple(units),
@@ -182,7 +182,7 @@ def render_firewall(plan: Plan, node: PlanNode) -> str:
     - WireGuard UDP on the tunnel ports from the peer gateways' underlay addresses.
     Gateways forward only overlay to overlay. One table, replaced atomically (the
     `table` + `delete table` idiom), so an apply never leaves a half-loaded ruleset."""
-    net = plan.model.network
+    net = plan.network
     overlay = str(net.overlay_cidr)
     admin = ", ".join(str(c) for c in net.admin_cidrs)
     lines = [
@@ -262,7 +262,7 @@ def host_services_of(plan: Plan, node: PlanNode) -> list[HostService]:
     return [
         s
         for s in host_services(plan, node)
-        if plan.model.monitoring.grafana or s.unit != "grafana-server.service"
+        if plan.monitoring.grafana or s.unit != "grafana-server.service"
     ]
 
 

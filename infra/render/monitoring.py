@@ -71,7 +71,7 @@ class AlertWindows:
 
 
 def alert_windows(plan: Plan) -> AlertWindows:
-    t = plan.model.training
+    t = plan.training
     ckpt_s = int(t.checkpoint.interval_minutes * 60)
     every_steps = 1 if t.sync == "allreduce" else t.diloco.every_steps
     if every_steps is not None:
@@ -105,7 +105,7 @@ class AlertRule:
 
 def gpu_selector(plan: Plan) -> str:
     """GPU series from exactly one source, so no device is counted twice."""
-    mon = plan.model.monitoring
+    mon = plan.monitoring
     return f'{{job="{DCGM_JOB if mon.gpu_metrics == "dcgm-exporter" else RUNTIME_JOB}"}}'
 
 
@@ -195,7 +195,7 @@ def render_alert_rules(plan: Plan) -> str:
 
 # -- Prometheus ------------------------------------------------------------------------
 def render_prometheus(plan: Plan) -> str:
-    mon = plan.model.monitoring
+    mon = plan.monitoring
     runtime, node_exp, dcgm = [], [], []
     for n in plan.nodes:
         host = n.private_ip  # overlay/private address (loopback locally)
@@ -237,7 +237,7 @@ def render_prometheus(plan: Plan) -> str:
 
 
 def _addr(plan: Plan, service: str) -> str:
-    mon = plan.model.monitoring
+    mon = plan.monitoring
     port = {
         "prometheus": mon.prometheus_port,
         "alertmanager": mon.alertmanager_port,
@@ -260,7 +260,7 @@ class SecretFile:
 
 
 def secret_files(plan: Plan) -> list[SecretFile]:
-    mon = plan.model.monitoring
+    mon = plan.monitoring
     out = [
         SecretFile(
             mon.grafana_admin_password_config,
@@ -284,7 +284,7 @@ def secret_files(plan: Plan) -> list[SecretFile]:
 def render_alertmanager(plan: Plan) -> str:
     """Routes by severity to the stack's receivers; secrets only as *_file paths. With no
     receivers the root route ends in `null` (alerts stay visible in Alertmanager's UI)."""
-    mon = plan.model.monitoring
+    mon = plan.monitoring
     routes = [
         {
             "receiver": r.name,
@@ -320,7 +320,7 @@ def render_alertmanager(plan: Plan) -> str:
 
 
 def _smtp(plan: Plan) -> dict[str, Any]:
-    smtp = plan.model.monitoring.smtp
+    smtp = plan.monitoring.smtp
     assert smtp is not None  # callers check
     out: dict[str, Any] = {
         "smtp_smarthost": smtp.smarthost,
@@ -352,7 +352,7 @@ def _receiver(r: Any) -> dict[str, Any]:
 
 # -- Grafana ---------------------------------------------------------------------------
 def render_grafana_datasource(plan: Plan) -> str:
-    mon = plan.model.monitoring
+    mon = plan.monitoring
     doc = {
         "apiVersion": 1,
         "datasources": [
@@ -392,7 +392,7 @@ def render_grafana_dashboards(plan: Plan) -> str:
 def render_grafana_unit(plan: Plan) -> str:
     """systemd drop-in for grafana-server: listen address, port and the admin password
     file (Grafana reads GF_<SECTION>_<KEY>__FILE; it applies on the first start only)."""
-    mon = plan.model.monitoring
+    mon = plan.monitoring
     return (
         "# geotrain: rendered, do not edit\n[Service]\n"
         f"Environment=GF_SERVER_HTTP_ADDR={plan.monitoring_host.private_ip}\n"
@@ -607,7 +607,7 @@ def monitoring_files(plan: Plan) -> list[MonitoringFile]:
     """Every monitoring file with its host and place. Node-exporter and dcgm-exporter
     settings go to ssh nodes only (local and lab run no exporters)."""
     mon_node = plan.monitoring_host.name
-    mon = plan.model.monitoring
+    mon = plan.monitoring
     prom, am, graf = "prometheus.service", "prometheus-alertmanager.service", "grafana-server"
     g = "monitoring/grafana"
     out = [
@@ -690,7 +690,7 @@ def monitoring_files(plan: Plan) -> list[MonitoringFile]:
 
 
 def _exporter_files(plan: Plan, n: PlanNode, dcgm: bool) -> list[MonitoringFile]:
-    mon = plan.model.monitoring
+    mon = plan.monitoring
     out = [
         MonitoringFile(
             f"nodes/{n.name}/default/prometheus-node-exporter",
@@ -777,7 +777,7 @@ def _region_series(plan: Plan, region: str, run: _Run, fault: _Fault | None) -> 
     """(series selector, values) of one region's node, rank 0."""
     node = plan.region(region).nodes[0].name
     lab = f'job="{RUNTIME_JOB}",region="{region}",node="{node}",rank="0"'
-    gpu_job = DCGM_JOB if plan.model.monitoring.gpu_metrics == "dcgm-exporter" else RUNTIME_JOB
+    gpu_job = DCGM_JOB if plan.monitoring.gpu_metrics == "dcgm-exporter" else RUNTIME_JOB
     gpu_lab = f'job="{gpu_job}",region="{region}",node="{node}",gpu="0"'
     f = fault.alert if fault else ""
     at = fault.at * 60 if fault else math.inf

@@ -42,7 +42,7 @@ def render_wireguard(
     peer, local_ip, port = end.peer, end.ip, end.port
     peer_gw = plan.region(peer).gateway.name
     key = (pubkeys or {}).get(peer_gw, pubkey_placeholder(peer_gw))
-    mtu = plan.model.network.mtu
+    mtu = plan.network.mtu
     return (
         f"# geotrain {plan.stack}: {region} <-> {peer} (link {tunnel.index}, "
         f"{tunnel.bandwidth_mbps} Mbit/s, cost {tunnel.cost})\n"
@@ -98,7 +98,7 @@ def render_frr(plan: Plan, region: str) -> str:
     """frr.conf of a region gateway: eBGP per tunnel with BFD, the region subnet announced,
     link cost turned into AS-path prepends so the cheapest healthy path wins."""
     r = plan.region(region)
-    net = plan.model.network
+    net = plan.network
     lines = [
         f"! geotrain {plan.stack}: gateway {r.gateway.name} of {region} (AS{r.asn})",
         "frr defaults datacenter",

@@ -76,7 +76,7 @@ class HostService:
 def host_services(plan: Plan, node: PlanNode) -> list[HostService]:
     """Monitoring services of one ssh node. Local and lab stacks install nothing (the CLI
     starts Prometheus itself when it is installed)."""
-    mon = plan.model.monitoring
+    mon = plan.monitoring
     if not mon.enabled or node.kind != "ssh":
         return []
     out = []
