@@ -13,7 +13,6 @@ from click.testing import CliRunner
 from pulumi_policy import ResourceValidationArgs, StackValidationArgs
 
 from geotrain.cli import cli
-from geotrain.commands import register  # noqa: F401
 from infra.facts import monitoring_facts, pool_facts, routing_facts, training_facts
 from infra.model import load_stack
 from infra.plan import build_plan

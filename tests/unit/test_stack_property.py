@@ -29,7 +29,6 @@ from hypothesis import strategies as st
 from pydantic import BaseModel
 
 from geotrain.cli import cli
-from geotrain.commands import register  # noqa: F401  (registers the other commands)
 from infra.model.schema import StackModel
 from training.errors import MAX_ERROR_CHARS, ConfigError
 
