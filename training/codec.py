@@ -1,9 +1,28 @@
 """The cross-region codec: quantize -> byte-shuffle -> zstd -> SM4-GCM (or AES-GCM).
 
-A payload is `header || ciphertext+tag`. The header is readable (for clear errors) and the
-same fields are bound as GCM associated data together with the run id, so a payload whose
-run, epoch, step, source region or bucket differs from what the receiver expects fails
-authentication and is never decoded or applied.
+A payload is `header || body || tag`. The header is readable (for clear errors) and is
+the associated data of the AEAD, so every field of it is authenticated: the run (a
+digest of its id) and session, the epoch, step, bucket, source and destination ranks,
+the piece and exchange stage, the quantizer, the number of values, the block size and
+the nonce. `cipher: none` keeps the body in the clear but still authenticates header and
+body with HMAC-SHA256 (16-byte tag): a flipped byte is never decoded.
+
+Keys (training.session.derive): one per run, session, source rank, destination rank,
+stage and key generation. Nonces are counters: 4 bytes of key generation and 8 of
+message counter per key, so a nonce never repeats under a key. A sender moves to the
+next generation (a new key) after REKEY_MESSAGES messages or REKEY_BYTES bytes, far
+below GCM's limits (see docs/security.md for the arithmetic).
+
+The receiver states what it expects (`decode(payload, addr, numel)`: the address, the
+number of values, and through its own spec the quantizer and block size). A payload is
+checked in this order, and nothing sized by the header is allocated before the end:
+1. framing (length, magic, version): else TransientReject;
+2. the header against the expectation; on a difference the payload is authenticated as
+   it claims to be: authentic means a replay or a misbehaving key holder
+   (HostileReject), not authentic means corruption or a forgery (TransientReject);
+3. authentication under the expected key: else TransientReject;
+4. the body's exact size (zstd's declared content size, then the decompressed bytes):
+   an authentic body of the wrong size is HostileReject.
 
 Quantizers work on a flat fp32 tensor (N,):
 - fp16 / bf16: a cast; byte-shuffle groups the high and low bytes so zstd finds the
@@ -14,12 +33,11 @@ Quantizers work on a flat fp32 tensor (N,):
 
 from __future__ import annotations
 
-import hashlib
 import hmac
-import os
 import struct
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
@@ -27,34 +45,73 @@ import zstandard
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
-from training.errors import PayloadRejected, SpecError
+from training.errors import HostileReject, PayloadRejected, SpecError, TransientReject
+from training.session import Session, derive, link_info
 from training.spec import CodecSpec
 
 QUANT = {"none": 0, "fp16": 1, "bf16": 2, "int8": 3, "int4": 4}
 CIPHERS = {"none": 0, "sm4-gcm": 1, "aes-gcm": 2}
+KEY_BYTES = {"none": 32, "sm4-gcm": 16, "aes-gcm": 32}
+"""HMAC-SHA256 key for `none`."""
 MAGIC = b"GT"
-VERSION = 1
-# magic, version, quant, cipher, flags, epoch, step, bucket, source, part, numel, block, nonce
-HEADER = struct.Struct(">2sBBBBIQIHHQI12s")
+VERSION = 2
+STAGES = ("scatter", "gather")
+"""Exchange stage: 0 sends piece j to region j, 1 sends the reduced piece to every region."""
+# magic, version, quant, cipher, stage, run tag, session, epoch, step, bucket, source rank,
+# destination rank, part, numel, block, nonce (generation u32 || counter u64)
+HEADER = struct.Struct(">2sBBBB16s16sIQIIIHII12s")
 TAG_BYTES = 16
+REKEY_MESSAGES = 1 << 24
+"""Messages per key before the sender moves to the next key generation."""
+REKEY_BYTES = 1 << 36
+"""Bytes per key (2^32 AES/SM4 blocks) before the next generation."""
+KEY_CACHE = 4096
+"""Derived keys a codec keeps (links x stages x live generations)."""
 
 
 @dataclass(frozen=True)
 class Address:
-    """Where a payload belongs: the receiver rebuilds this and demands an exact match."""
+    """Where a payload belongs: the receiver rebuilds this and demands an exact match
+    (the run and session come from the codec's Session)."""
 
-    run_id: str
     epoch: int
     step: int
     source: int
-    """Index of the source region."""
+    """Global rank of the sender."""
+    dest: int
+    """Global rank of the receiver."""
     bucket: int
     part: int = 0
-    """Piece of the bucket (reduce-scatter stage), or R for the gather stage."""
+    """Piece of the bucket: the piece sent (scatter) or the piece reduced (gather)."""
+    stage: int = 0
+    """0 scatter, 1 gather (STAGES)."""
 
-    def aad(self) -> bytes:
-        fields = struct.pack(">IQHIH", self.epoch, self.step, self.source, self.bucket, self.part)
-        return b"geotrain/v1|" + self.run_id.encode() + b"|" + fields
+
+@dataclass(frozen=True)
+class _Header:
+    quant: int
+    cipher: int
+    stage: int
+    tag: bytes
+    session: bytes
+    epoch: int
+    step: int
+    bucket: int
+    source: int
+    dest: int
+    part: int
+    numel: int
+    block: int
+    nonce: bytes
+
+    @property
+    def generation(self) -> int:
+        return int.from_bytes(self.nonce[:4], "big")
+
+    def address(self) -> Address:
+        return Address(
+            self.epoch, self.step, self.source, self.dest, self.bucket, self.part, self.stage
+        )
 
 
 @dataclass
@@ -68,15 +125,22 @@ class CodecStats:
     rejected: int = 0
 
 
-def derive_key(run_key: bytes, purpose: str, size: int) -> bytes:
-    """A subkey per purpose from the run key (HMAC-SHA256 as a KDF)."""
-    return hmac.new(run_key, b"geotrain/" + purpose.encode(), hashlib.sha256).digest()[:size]
+@dataclass
+class _Link:
+    """A sender's key state for one (destination, stage)."""
+
+    generation: int = 0
+    messages: int = 0
+    bytes: int = 0
 
 
 @dataclass
 class Codec:
     spec: CodecSpec
     run_key: bytes
+    session: Session | None = None
+    """The launch's session (training.session.agree); None until `bind` (tools may leave
+    it to HierarchicalAllReduce, which binds an unagreed session of its run id)."""
     stats: CodecStats = field(default_factory=CodecStats)
 
     def __post_init__(self) -> None:
@@ -90,36 +154,45 @@ class Codec:
                 f"codec.cipher '{self.spec.cipher}' is not supported; use one of "
                 f"{', '.join(CIPHERS)}"
             )
-        self._key = {
-            "sm4-gcm": derive_key(self.run_key, "sm4-gcm", 16),
-            "aes-gcm": derive_key(self.run_key, "aes-gcm", 32),
-        }.get(self.spec.cipher)
+        if self.spec.block_size < 1:
+            raise SpecError(f"codec.block_size {self.spec.block_size} must be at least 1")
         self._local = threading.local()  # zstd contexts are not thread-safe
+        self._lock = threading.Lock()
+        self._links: dict[tuple[int, int, int], _Link] = {}
+        self._keys: OrderedDict[tuple[bytes, int, int, int, int, int], bytes] = OrderedDict()
+
+    def bind(self, session: Session) -> None:
+        """Use `session` from now on (its keys; counters start over with them)."""
+        self.session = session
+        self._links.clear()
 
     # -- public -----------------------------------------------------------------------
     def encode(self, x: torch.Tensor, addr: Address) -> tuple[bytes, torch.Tensor]:
         """Encode flat fp32 `x`; returns (payload, what the receiver will decode)."""
         t0 = time.perf_counter()
+        s = self._session()
         x = x.detach().float().contiguous()
         body, decoded = _quantize(x, self.spec.quantize, self.spec.block_size)
         body = self._zc().compress(_shuffle(body, _itemsize(self.spec.quantize)))
-        nonce = os.urandom(12) if self._key else bytes(12)
-        header = HEADER.pack(
-            MAGIC,
-            VERSION,
+        nonce = self._next_nonce(addr, len(body))
+        h = _Header(
             QUANT[self.spec.quantize],
             CIPHERS[self.spec.cipher],
-            0,
+            addr.stage,
+            s.tag,
+            s.id,
             addr.epoch,
             addr.step,
             addr.bucket,
             addr.source,
+            addr.dest,
             addr.part,
             x.numel(),
             self.spec.block_size,
             nonce,
         )
-        payload = header + self._seal(body, nonce, header, addr)
+        header = _pack(h)
+        payload = header + self._seal(body, h, header, s.salt())
         self.stats.raw_bytes += 4 * x.numel()
         self.stats.wire_bytes += len(payload)
         self.stats.encode_seconds += time.perf_counter() - t0
@@ -130,11 +203,12 @@ class Codec:
         x = x.detach().float().contiguous()
         return _quantize(x, self.spec.quantize, self.spec.block_size)[1]
 
-    def decode(self, payload: bytes, expect: Address) -> torch.Tensor:
-        """Verify then decode; raises PayloadRejected (never returns unverified data)."""
+    def decode(self, payload: bytes, expect: Address, numel: int) -> torch.Tensor:
+        """Verify then decode `numel` values sent to `expect`; raises PayloadRejected
+        (TransientReject or HostileReject) and never returns unverified data."""
         t0 = time.perf_counter()
         try:
-            out = self._decode(payload, expect)
+            out = self._decode(payload, expect, numel)
         except PayloadRejected:
             self.stats.rejected += 1
             raise
@@ -142,82 +216,145 @@ class Codec:
         return out
 
     # -- internals --------------------------------------------------------------------
-    def _decode(self, payload: bytes, expect: Address) -> torch.Tensor:
-        if len(payload) < HEADER.size + (TAG_BYTES if self._key else 0):
-            raise PayloadRejected(
-                f"payload from region {expect.source} bucket {expect.bucket} "
-                f"is truncated ({len(payload)} bytes); not applied"
+    def _session(self) -> Session:
+        if self.session is None:
+            raise SpecError("the codec has no session; bind one (training.session.agree)")
+        return self.session
+
+    def _next_nonce(self, addr: Address, size: int) -> bytes:
+        """generation (4 bytes) || counter (8 bytes): unique per key by construction."""
+        with self._lock:
+            link = self._links.setdefault((addr.dest, addr.stage, addr.source), _Link())
+            if link.messages >= REKEY_MESSAGES or link.bytes + size > REKEY_BYTES:
+                link.generation, link.messages, link.bytes = link.generation + 1, 0, 0
+            nonce = link.generation.to_bytes(4, "big") + link.messages.to_bytes(8, "big")
+            link.messages += 1
+            link.bytes += size
+        return nonce
+
+    def _key(self, salt: bytes, cipher: str, h: _Header) -> bytes:
+        k = (salt, CIPHERS[cipher], h.source, h.dest, h.stage, h.generation)
+        key = self._keys.get(k)
+        if key is None:
+            info = link_info(cipher, h.source, h.dest, h.stage, h.generation)
+            key = derive(self.run_key, salt, info, KEY_BYTES[cipher])
+            self._keys[k] = key
+            if len(self._keys) > KEY_CACHE:
+                self._keys.popitem(last=False)
+        return key
+
+    def _decode(self, payload: bytes, expect: Address, numel: int) -> torch.Tensor:
+        s = self._session()
+        where = f"payload from rank {expect.source} (step {expect.step}, bucket {expect.bucket})"
+        if len(payload) < HEADER.size + TAG_BYTES:
+            raise TransientReject(f"{where} is truncated ({len(payload)} bytes); not applied")
+        h = _unpack(payload)
+        if h is None:
+            raise TransientReject(f"{where} is not a geotrain v{VERSION} payload; not applied")
+        claims = {
+            "run": (h.tag, s.tag),
+            "session": (h.session, s.id),
+            "address": (h.address(), expect),
+            "numel": (h.numel, numel),
+            "block": (h.block, self.spec.block_size),
+            "quantizer": (h.quant, QUANT[self.spec.quantize]),
+            "cipher": (h.cipher, CIPHERS[self.spec.cipher]),
+        }
+        wrong = [k for k, (got, want) in claims.items() if got != want]
+        if wrong:
+            self._classify(payload, h, where, wrong, expect)
+        header, sealed = payload[: HEADER.size], payload[HEADER.size :]
+        body = self._open(sealed, h, header, s.salt(), self.spec.cipher)
+        if body is None:
+            raise TransientReject(
+                f"{where} failed {self.spec.cipher} authentication (corrupted in transit, or "
+                "forged without this run's key); not applied"
             )
-        (
-            magic,
-            version,
-            quant,
-            cipher,
-            _flags,
-            epoch,
-            step,
-            bucket,
-            source,
-            part,
-            numel,
-            block,
-            nonce,
-        ) = HEADER.unpack_from(payload)
-        if magic != MAGIC or version != VERSION:
-            raise PayloadRejected("payload is not a geotrain v1 payload; not applied")
-        got = Address(expect.run_id, epoch, step, source, bucket, part)
-        if got != expect:
-            why = "replayed (old step)" if step < expect.step else "misaddressed"
-            raise PayloadRejected(
-                f"payload {why}: header says epoch {epoch} step {step} region {source} "
-                f"bucket {bucket} part {part}, expected epoch {expect.epoch} step "
-                f"{expect.step} region {expect.source} bucket {expect.bucket} part "
-                f"{expect.part}; not applied"
-            )
-        if cipher != CIPHERS[self.spec.cipher] or quant != QUANT[self.spec.quantize]:
-            raise PayloadRejected(
-                "payload codec (quant/cipher) differs from this run's; not applied"
-            )
-        header = payload[: HEADER.size]
-        body = self._open(payload[HEADER.size :], nonce, header, expect)
+        size = _raw_size(self.spec.quantize, numel, self.spec.block_size)
         try:
-            raw = self._zd().decompress(body, max_output_size=numel * 4 + 1024)
+            # zstd allocates a frame's declared content size, whatever max_output_size says
+            if zstandard.frame_content_size(body) not in (size, -1):
+                raise HostileReject(f"{where} declares a body of the wrong size; not applied")
+            raw = self._zd().decompress(body, max_output_size=size)
         except zstandard.ZstdError as e:
-            raise PayloadRejected(f"payload body does not decompress ({e}); not applied") from None
+            raise HostileReject(
+                f"{where}: authentic body does not decompress ({e}); not applied"
+            ) from None
+        if len(raw) != size:
+            raise HostileReject(
+                f"{where}: authentic body holds {len(raw)} bytes, {numel} {self.spec.quantize} "
+                f"values take {size}; not applied"
+            )
         return _dequantize(
-            _unshuffle(raw, _itemsize(self.spec.quantize)), self.spec.quantize, numel, block
+            _unshuffle(raw, _itemsize(self.spec.quantize)),
+            self.spec.quantize,
+            numel,
+            self.spec.block_size,
         )
 
-    def _seal(self, body: bytes, nonce: bytes, header: bytes, addr: Address) -> bytes:
-        if not self._key:
-            return body
-        enc = self._cipher(nonce).encryptor()
-        enc.authenticate_additional_data(addr.aad() + header)
+    def _classify(
+        self, payload: bytes, h: _Header, where: str, wrong: list[str], expect: Address
+    ) -> None:
+        """A header that differs from the expectation: authentic as it claims (a replay,
+        a misroute or a key holder's wrong shape) is hostile, else it is garbled."""
+        cipher = next((c for c, i in CIPHERS.items() if i == h.cipher), None)
+        authentic = (
+            cipher is not None
+            and self._open(
+                payload[HEADER.size :], h, payload[: HEADER.size], h.tag + h.session, cipher
+            )
+            is not None
+        )
+        got = h.address()
+        detail = (
+            f"header says epoch {got.epoch} step {got.step} rank {got.source}->{got.dest} "
+            f"bucket {got.bucket} part {got.part} stage {got.stage} numel {h.numel} block "
+            f"{h.block}; expected epoch {expect.epoch} step {expect.step} rank "
+            f"{expect.source}->{expect.dest} bucket {expect.bucket} part {expect.part} stage "
+            f"{expect.stage}"
+        )
+        if not authentic:
+            raise TransientReject(
+                f"{where} has a garbled header ({', '.join(wrong)} differ and it does not "
+                f"authenticate as it claims); {detail}; not applied"
+            )
+        what = (
+            "replayed from another run or session"
+            if {"run", "session"} & set(wrong)
+            else "replayed (old step)"
+            if got.step < expect.step
+            else "of the wrong shape"
+            if {"numel", "block", "quantizer", "cipher"} & set(wrong)
+            else "misaddressed"
+        )
+        raise HostileReject(
+            f"{where} is an authentic payload {what} ({', '.join(wrong)} differ): {detail}; "
+            "not applied"
+        )
+
+    def _seal(self, body: bytes, h: _Header, header: bytes, salt: bytes) -> bytes:
+        key = self._key(salt, self.spec.cipher, h)
+        if self.spec.cipher == "none":
+            return body + hmac.new(key, header + body, "sha256").digest()[:TAG_BYTES]
+        enc = _cipher(self.spec.cipher, key, h.nonce).encryptor()
+        enc.authenticate_additional_data(header)
         return enc.update(body) + enc.finalize() + enc.tag
 
-    def _open(self, sealed: bytes, nonce: bytes, header: bytes, addr: Address) -> bytes:
-        if not self._key:
-            return sealed
+    def _open(
+        self, sealed: bytes, h: _Header, header: bytes, salt: bytes, cipher: str
+    ) -> bytes | None:
+        """The body, or None when it does not authenticate."""
+        key = self._key(salt, cipher, h)
         ct, tag = sealed[:-TAG_BYTES], sealed[-TAG_BYTES:]
-        dec = self._cipher(nonce, tag).decryptor()
-        dec.authenticate_additional_data(addr.aad() + header)
+        if cipher == "none":
+            good = hmac.new(key, header + ct, "sha256").digest()[:TAG_BYTES]
+            return ct if hmac.compare_digest(good, tag) else None
+        dec = _cipher(cipher, key, h.nonce, tag).decryptor()
+        dec.authenticate_additional_data(header)
         try:
             return dec.update(ct) + dec.finalize()
         except InvalidTag:
-            raise PayloadRejected(
-                f"payload from region {addr.source} step {addr.step} bucket {addr.bucket} "
-                f"failed {self.spec.cipher} authentication (tampered, truncated, another run "
-                "or a wrong key); not applied"
-            ) from None
-
-    def _cipher(self, nonce: bytes, tag: bytes | None = None) -> Cipher:
-        assert self._key is not None  # only called when a cipher is configured
-        alg = (
-            algorithms.SM4(self._key)
-            if self.spec.cipher == "sm4-gcm"
-            else algorithms.AES(self._key)
-        )
-        return Cipher(alg, modes.GCM(nonce, tag))
+            return None
 
     def _zc(self) -> zstandard.ZstdCompressor:
         if not hasattr(self._local, "c"):
@@ -228,6 +365,48 @@ class Codec:
         if not hasattr(self._local, "d"):
             self._local.d = zstandard.ZstdDecompressor()
         return self._local.d
+
+
+def _cipher(name: str, key: bytes, nonce: bytes, tag: bytes | None = None) -> Cipher:
+    alg = algorithms.SM4(key) if name == "sm4-gcm" else algorithms.AES(key)
+    return Cipher(alg, modes.GCM(nonce, tag))
+
+
+def _pack(h: _Header) -> bytes:
+    return HEADER.pack(
+        MAGIC,
+        VERSION,
+        h.quant,
+        h.cipher,
+        h.stage,
+        h.tag,
+        h.session,
+        h.epoch,
+        h.step,
+        h.bucket,
+        h.source,
+        h.dest,
+        h.part,
+        h.numel,
+        h.block,
+        h.nonce,
+    )
+
+
+def _unpack(payload: bytes) -> _Header | None:
+    magic, version, *fields = HEADER.unpack_from(payload)
+    if magic != MAGIC or version != VERSION:
+        return None
+    return _Header(*fields)
+
+
+def _raw_size(quant: str, n: int, block: int) -> int:
+    """Bytes of `n` values quantized with `quant` (what _quantize produces)."""
+    if quant in ("none", "fp16", "bf16"):
+        return n * _itemsize(quant)
+    nb = -(-n // block)
+    values = nb * block if quant == "int8" else -(-(nb * block) // 2)
+    return 4 * nb + values
 
 
 def _itemsize(quant: str) -> int:
@@ -282,23 +461,19 @@ def _quantize(x: torch.Tensor, quant: str, block: int) -> tuple[bytes, torch.Ten
 
 
 def _dequantize(raw: bytes, quant: str, n: int, block: int) -> torch.Tensor:
+    """`raw` is exactly _raw_size(quant, n, block) bytes (checked by the caller)."""
     buf = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-    try:
-        if quant == "none":
-            return buf.view(torch.float32)[:n].clone()
-        if quant in ("fp16", "bf16"):
-            return buf.view(torch.float16 if quant == "fp16" else torch.bfloat16)[:n].float()
-        nb = -(-n // block)
-        scale = buf[: 4 * nb].view(torch.float32).view(-1, 1)
-        body = buf[4 * nb :]
-        if quant == "int8":
-            q = body.view(torch.int8).float().view(nb, block)
-        else:
-            lo = (body & 0x0F).to(torch.int16)
-            hi = (body >> 4).to(torch.int16)
-            q = (torch.stack((lo, hi), dim=1).view(-1)[: nb * block] - 8).float().view(nb, block)
-        return (q * scale).view(-1)[:n].clone()
-    except RuntimeError as e:
-        raise PayloadRejected(
-            f"payload body has the wrong size for {n} {quant} values ({e}); not applied"
-        ) from None
+    if quant == "none":
+        return buf.view(torch.float32).clone()
+    if quant in ("fp16", "bf16"):
+        return buf.view(torch.float16 if quant == "fp16" else torch.bfloat16).float()
+    nb = -(-n // block)
+    scale = buf[: 4 * nb].view(torch.float32).view(-1, 1)  # (nb, 1)
+    body = buf[4 * nb :]
+    if quant == "int8":
+        q = body.view(torch.int8).float().view(nb, block)
+    else:
+        lo = (body & 0x0F).to(torch.int16)
+        hi = (body >> 4).to(torch.int16)
+        q = (torch.stack((lo, hi), dim=1).view(-1)[: nb * block] - 8).float().view(nb, block)
+    return (q * scale).view(-1)[:n].clone()

@@ -104,3 +104,27 @@ class CheckpointError(GeotrainError):
 
 class LabError(GeotrainError):
     """The network-namespace lab could not be built or torn down."""
+
+
+class TransientReject(PayloadRejected):
+    """A payload or control message that fails authentication or framing: corrupted in
+    transit, or forged by someone without the run key. Nothing of it is used; the worker
+    exits with 3 and the launcher restarts the group from the newest checkpoint."""
+
+    exit_code = 3
+
+
+class HostileReject(PayloadRejected):
+    """A payload that authenticates but is not what the receiver expects (another run,
+    session, epoch, step, link, stage or shape): a replay of captured traffic or a peer
+    holding the run key that misbehaves. Nothing of it is used; restarting cannot help, so
+    the job stops (exit 2) and the rejected-payload alert fires."""
+
+
+class SessionError(GeotrainError):
+    """The ranks of a launch could not agree on its session (another run key on some
+    node, or a tampered agreement)."""
+
+
+class RollbackError(CheckpointError):
+    """Committed checkpoints went missing or backwards behind the high-water mark."""

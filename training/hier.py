@@ -9,6 +9,11 @@ One sync of a flat fp32 tensor (N,), L workers per region, R regions:
   4. all-gather inside the region: every rank gets the full averaged tensor
 With codec `none` the values are exactly those of a flat all-reduce (up to float
 summation order, which is the only difference).
+
+Every payload is addressed to one link of one cross group: source and destination global
+ranks (so a payload of local rank 0's group is refused by local rank 1's), the stage
+(scatter: piece j to region j; gather: the reduced piece to every region of the group,
+destination `BROADCAST`), the piece, and the number of values the receiver expects (P).
 """
 
 from __future__ import annotations
@@ -21,7 +26,14 @@ import torch
 import torch.distributed as dist
 
 from training.codec import Address, Codec
+from training.session import Session
 from training.topology import Groups, Topology
+
+SCATTER, GATHER = 0, 1
+"""Exchange stages (training.codec.STAGES)."""
+BROADCAST = 0xFFFFFFFF
+"""Destination of a gather payload: every region of the sender's cross group (one key per
+source and group, so the reduced piece is encrypted once, not once per region)."""
 
 
 @dataclass
@@ -43,12 +55,22 @@ class HierarchicalAllReduce:
     topo: Topology
     groups: Groups
     codec: Codec
-    run_id: str
-    epoch: int = 0
+    run_id: str = ""
+    """Used only when the codec has no session: tools and benchmarks then run under an
+    unagreed session of this run id (workers bind the agreed one to the codec)."""
     error_feedback: bool = True
     stats: SyncStats = field(default_factory=SyncStats)
     residuals: dict[int, torch.Tensor] = field(default_factory=dict)
     """bucket -> quantization residuals (R + 1, P), carried to the next step."""
+
+    def __post_init__(self) -> None:
+        if self.codec.session is None:
+            self.codec.bind(Session.unagreed(self.run_id))
+
+    @property
+    def epoch(self) -> int:
+        assert self.codec.session is not None  # bound in __post_init__
+        return self.codec.session.epoch
 
     def all_reduce(self, x: torch.Tensor, step: int, bucket: int = 0) -> torch.Tensor:
         """Average flat `x` (N,) over all ranks; returns a new fp32 tensor on x's device."""
@@ -113,38 +135,45 @@ class HierarchicalAllReduce:
             return shard.clone()
         n = shard.numel()
         pieces = torch.nn.functional.pad(shard, (0, (-n) % R)).view(R, -1)  # (R, P)
-        res = self.residual(bucket, pieces.shape[1])  # (R + 1, P)
+        P = pieces.shape[1]
+        res = self.residual(bucket, P)  # (R + 1, P)
+        peers = topo.peer_ranks(topo.local_rank)  # region j's rank in this cross group
         sent: list[bytes] = []
         own = torch.empty(0)
         for j in range(R):  # stage 1: piece j to region j (own piece: quantized, not sent)
-            payload, dec = self._encode(pieces[j], res, j, step, bucket, send=j != me)
+            to = Address(self.epoch, step, topo.rank, peers[j], bucket, part=j, stage=SCATTER)
+            payload, dec = self._encode(pieces[j], res, j, to, send=j != me)
             sent.append(payload)
             if j == me:
                 own = dec
         got = self._all_to_all_bytes(sent)
         piece = torch.zeros_like(own)
         for i in range(R):  # fixed order: every region sums alike
-            piece += (
-                own
-                if i == me
-                else self.codec.decode(
-                    got[i], Address(self.run_id, self.epoch, step, i, bucket, me)
-                )
-            )
-        payload, mine = self._encode(piece, res, R, step, bucket)  # stage 2: the sum of piece me
+            if i == me:
+                piece += own
+                continue
+            frm = Address(self.epoch, step, peers[i], topo.rank, bucket, part=me, stage=SCATTER)
+            piece += self.codec.decode(got[i], frm, P)  # (P,): decode checks the size
+        # stage 2: the sum of piece me, one payload for every region of the group
+        out_to = Address(self.epoch, step, topo.rank, BROADCAST, bucket, part=me, stage=GATHER)
+        payload, mine = self._encode(piece, res, R, out_to)
         blobs = self._all_to_all_bytes([b"" if i == me else payload for i in range(R)])
         out = [
             mine
             if i == me
-            else self.codec.decode(blobs[i], Address(self.run_id, self.epoch, step, i, bucket, R))
+            else self.codec.decode(
+                blobs[i],
+                Address(self.epoch, step, peers[i], BROADCAST, bucket, part=i, stage=GATHER),
+                P,
+            )
             for i in range(R)
         ]
         self.stats.cross_raw_bytes += 2 * 4 * pieces.shape[1] * (R - 1)
         self.stats.cross_wire_bytes += sum(map(len, sent)) + len(payload) * (R - 1)
+        per_peer = self.stats.per_peer_wire
         for j in range(R):
             if j != me:
-                peers = self.stats.per_peer_wire
-                peers[j] = peers.get(j, 0) + len(sent[j]) + len(payload)
+                per_peer[j] = per_peer.get(j, 0) + len(sent[j]) + len(payload)
         return torch.cat(out)[:n]
 
     def residual(self, bucket: int, piece: int) -> torch.Tensor:
@@ -158,21 +187,20 @@ class HierarchicalAllReduce:
         self,
         x: torch.Tensor,
         res: torch.Tensor,
-        part: int,
-        step: int,
-        bucket: int,
+        row: int,
+        addr: Address,
         send: bool = True,
     ) -> tuple[bytes, torch.Tensor]:
-        """(payload, the values its receivers decode); with send=False only the values."""
+        """(payload to `addr`, the values its receivers decode); with send=False only the
+        values. `row`: the residual row (the piece j < R sent, or R for the gather)."""
         if self.error_feedback:
-            x = x + res[part]
+            x = x + res[row]
         if send:
-            addr = Address(self.run_id, self.epoch, step, self.topo.region_index, bucket, part)
             payload, decoded = self.codec.encode(x, addr)
         else:
             payload, decoded = b"", self.codec.quantized(x)
         if self.error_feedback:
-            res[part] = x - decoded
+            res[row] = x - decoded
         return payload, decoded
 
     def _all_to_all_bytes(self, payloads: list[bytes]) -> list[bytes]:

@@ -2,19 +2,25 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from training.codec import HEADER, Address, Codec
-from training.errors import PayloadRejected
+from training.errors import HostileReject, TransientReject
+from training.session import Session
 from training.spec import CodecSpec
 
 KEY = bytes(range(32))
-ADDR = Address("run-a", epoch=0, step=7, source=1, bucket=2)
+SESSION = Session("run-a", bytes(range(16)), epoch=0)
+ADDR = Address(epoch=0, step=7, source=1, dest=4, bucket=2)
 
 
-def _codec(quant: str = "int8", cipher: str = "sm4-gcm", key: bytes = KEY) -> Codec:
-    return Codec(CodecSpec(quantize=quant, cipher=cipher, block_size=64), key)
+def _codec(
+    quant: str = "int8", cipher: str = "sm4-gcm", key: bytes = KEY, session: Session = SESSION
+) -> Codec:
+    return Codec(CodecSpec(quantize=quant, cipher=cipher, block_size=64), key, session)
 
 
 @pytest.mark.parametrize(
@@ -26,7 +32,7 @@ def test_round_trip_error_is_within_the_stated_bound(quant: str, bound: float, c
     x = torch.randn(10_001, generator=torch.Generator().manual_seed(0))
     c = _codec(quant, cipher)
     payload, sent = c.encode(x, ADDR)
-    got = c.decode(payload, ADDR)
+    got = c.decode(payload, ADDR, x.numel())
     assert torch.equal(got, sent)  # the receiver sees exactly what the sender accounted
     rel = ((got - x).norm() / x.norm()).item()
     assert rel <= bound, f"{quant}: relative error {rel}"
@@ -43,7 +49,7 @@ def test_ciphertext_hides_the_plaintext() -> None:
     x = torch.full((4096,), 1.5)
     plain, _ = _codec("none", "none").encode(x, ADDR)
     sealed, _ = _codec("none", "sm4-gcm").encode(x, ADDR)
-    assert plain[HEADER.size :] != sealed[HEADER.size : -16]
+    assert plain[HEADER.size : -16] != sealed[HEADER.size : -16]
 
 
 def _flip(payload: bytes, at: int) -> bytes:
@@ -52,18 +58,26 @@ def _flip(payload: bytes, at: int) -> bytes:
     return bytes(b)
 
 
+def _at(**changes: int) -> Address:
+    return dataclasses.replace(ADDR, **changes)
+
+
+# (payload -> (what arrives, what the receiver expects), the class of reject)
 TAMPER = {
-    "flipped-body-byte": lambda p: (_flip(p, len(p) // 2), ADDR),
-    "flipped-tag-byte": lambda p: (_flip(p, len(p) - 1), ADDR),
-    "flipped-nonce": lambda p: (_flip(p, HEADER.size - 1), ADDR),
-    "truncated": lambda p: (p[: len(p) - 20], ADDR),
-    "header-only": lambda p: (p[: HEADER.size], ADDR),
-    "replayed-old-step": lambda p: (p, Address("run-a", 0, 8, 1, 2)),
-    "misaddressed-region": lambda p: (p, Address("run-a", 0, 7, 0, 2)),
-    "misaddressed-bucket": lambda p: (p, Address("run-a", 0, 7, 1, 3)),
-    "other-epoch": lambda p: (p, Address("run-a", 1, 7, 1, 2)),
-    "other-run": lambda p: (p, Address("run-b", 0, 7, 1, 2)),
-    "not-a-payload": lambda p: (b"x" * len(p), ADDR),
+    "flipped-body-byte": (lambda p: (_flip(p, len(p) // 2), ADDR), TransientReject),
+    "flipped-tag-byte": (lambda p: (_flip(p, len(p) - 1), ADDR), TransientReject),
+    "flipped-nonce": (lambda p: (_flip(p, HEADER.size - 1), ADDR), TransientReject),
+    "flipped-step-in-header": (lambda p: (_flip(p, 46), ADDR), TransientReject),
+    "truncated": (lambda p: (p[: len(p) - 20], ADDR), TransientReject),
+    "header-only": (lambda p: (p[: HEADER.size], ADDR), TransientReject),
+    "not-a-payload": (lambda p: (b"x" * len(p), ADDR), TransientReject),
+    "replayed-old-step": (lambda p: (p, _at(step=8)), HostileReject),
+    "misaddressed-source": (lambda p: (p, _at(source=0)), HostileReject),
+    "misaddressed-destination": (lambda p: (p, _at(dest=5)), HostileReject),
+    "misaddressed-bucket": (lambda p: (p, _at(bucket=3)), HostileReject),
+    "other-part": (lambda p: (p, _at(part=1)), HostileReject),
+    "other-stage": (lambda p: (p, _at(stage=1)), HostileReject),
+    "other-epoch": (lambda p: (p, _at(epoch=1)), HostileReject),
 }
 
 
@@ -71,25 +85,33 @@ TAMPER = {
 def test_tampered_payload_is_rejected(case: str) -> None:
     c = _codec()
     payload, _ = c.encode(torch.randn(1000), ADDR)
-    bad, expect = TAMPER[case](payload)
-    with pytest.raises(PayloadRejected, match="not applied"):
-        c.decode(bad, expect)
+    tamper, kind = TAMPER[case]
+    bad, expect = tamper(payload)
+    with pytest.raises(kind, match="not applied"):
+        c.decode(bad, expect, 1000)
     assert c.stats.rejected == 1
+
+
+def test_payload_of_another_run_or_session_is_rejected_as_a_replay() -> None:
+    payload, _ = _codec().encode(torch.randn(1000), ADDR)
+    for other in (Session("run-b", SESSION.id, 0), Session("run-a", bytes(16), 0)):
+        with pytest.raises(HostileReject, match="another run or session"):
+            _codec(session=other).decode(payload, ADDR, 1000)
 
 
 def test_forged_header_fields_fail_authentication() -> None:
     """An attacker rewriting the header's step to match the receiver still fails: the
-    header is bound as associated data."""
+    header is the associated data."""
     c = _codec()
     payload, _ = c.encode(torch.randn(1000), ADDR)
     fields = list(HEADER.unpack_from(payload))
-    fields[6] = 8  # step
+    fields[8] = 8  # step
     forged = HEADER.pack(*fields) + payload[HEADER.size :]
-    with pytest.raises(PayloadRejected, match="authentication"):
-        c.decode(forged, Address("run-a", 0, 8, 1, 2))
+    with pytest.raises(TransientReject, match="authentication"):
+        c.decode(forged, _at(step=8), 1000)
 
 
 def test_wrong_key_is_rejected() -> None:
     payload, _ = _codec().encode(torch.randn(1000), ADDR)
-    with pytest.raises(PayloadRejected, match="wrong key"):
-        _codec(key=bytes(32)).decode(payload, ADDR)
+    with pytest.raises(TransientReject, match="without this run's key"):
+        _codec(key=bytes(32)).decode(payload, ADDR, 1000)

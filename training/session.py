@@ -1,0 +1,207 @@
+"""A launch's session: what every rank agrees on before training, and the keys made from it.
+
+- **Session.** Every start of the worker group (a launch, or a restart) agrees on a fresh
+  16-byte session id: each rank contributes 16 random bytes and the id is the SHA-256 of
+  all of them in rank order, so it is fresh as long as any one rank's randomness is. The
+  epoch is a counter persisted by every node (training.checkpoint's node record): the new
+  epoch is one more than the highest any node recorded, so nodes launched separately
+  agree on it. A key confirmation (a MAC under the new session's key, from every rank)
+  proves that every rank derived the same session from the same run key.
+- **Keys.** HKDF-SHA256 from the run key, salt = run tag (a digest of the run id) ||
+  session id, info = purpose, source rank, destination, stage and key generation
+  (`derive`). A payload's key is therefore unique to one run, session, link, direction
+  and stage: no two links or directions share a key, and a key of one launch is useless in
+  the next.
+- **Control messages.** The few values ranks exchange outside the codec (the session
+  agreement, the time-based merge and save flags, checkpoint resume and commit
+  agreement) go through `Control`: JSON, never pickle, with an HMAC per sender under a
+  key of the session and a sequence number, verified before the JSON is parsed.
+- **The rendezvous store** listens on the master address only (`rendezvous_store`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import hmac
+import ipaddress
+import json
+import os
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+from training.errors import SessionError, TransientReject
+
+SESSION_BYTES = 16
+RUN_TAG_BYTES = 16
+MAC_BYTES = 32
+
+
+def run_tag(run_id: str) -> bytes:
+    """16 bytes that stand for the run id in payload headers and key salts."""
+    return hashlib.sha256(b"geotrain/run|" + run_id.encode()).digest()[:RUN_TAG_BYTES]
+
+
+@dataclass(frozen=True)
+class Session:
+    run_id: str
+    """The run (stable across launches)."""
+    id: bytes
+    """16 bytes every rank of this launch agreed on (zeros: not agreed; tools and tests)."""
+    epoch: int
+    """Persisted launch counter every node agreed on."""
+
+    @staticmethod
+    def unagreed(run_id: str, epoch: int = 0) -> Session:
+        """A fixed session for tools, benchmarks and tests that run no agreement. Workers
+        never use it: its keys repeat from one launch to the next."""
+        return Session(run_id, bytes(SESSION_BYTES), epoch)
+
+    @property
+    def tag(self) -> bytes:
+        return run_tag(self.run_id)
+
+    def salt(self) -> bytes:
+        """HKDF salt: run tag || session id."""
+        return self.tag + self.id
+
+
+def derive(run_key: bytes, salt: bytes, info: str, size: int) -> bytes:
+    """HKDF-SHA256(run key, salt, info) -> `size` bytes."""
+    return HKDF(
+        algorithm=hashes.SHA256(), length=size, salt=salt, info=b"geotrain/v2|" + info.encode()
+    ).derive(run_key)
+
+
+def link_info(purpose: str, source: int, dest: int, stage: int, generation: int) -> str:
+    """HKDF info of one link's key: purpose (the cipher or MAC), source rank ->
+    destination rank (the direction), the exchange stage and the key generation."""
+    return f"{purpose}|{source}>{dest}|stage{stage}|gen{generation}"
+
+
+class Control:
+    """Authenticated all-gather of small JSON values over a gloo group.
+
+    Every rank sends `HMAC(key of (session, purpose, sender), seq || body) || body`; every
+    receiver checks each sender's MAC before it parses the body, so nothing a third party
+    wrote is ever used, and nothing is unpickled. `seq` counts this channel's calls (all
+    ranks call in lockstep, as for any collective): an earlier message of the same
+    session replayed in place of a newer one fails its MAC."""
+
+    def __init__(self, run_key: bytes, session: Session, purpose: str, group: Any = None):
+        self._key = run_key
+        self._salt = session.salt()
+        self._purpose = purpose
+        self._group = group
+        self._seq = 0
+        self._keys: dict[int, bytes] = {}
+
+    def _mac(self, rank: int, seq: int, body: bytes) -> bytes:
+        if rank not in self._keys:
+            info = f"control|{self._purpose}|rank{rank}"
+            self._keys[rank] = derive(self._key, self._salt, info, 32)
+        return hmac.new(self._keys[rank], seq.to_bytes(8, "big") + body, "sha256").digest()
+
+    def gather(self, value: Any) -> list[Any]:
+        """Every rank's `value` (JSON-able), in group rank order, each verified."""
+        seq, self._seq = self._seq, self._seq + 1
+        me = dist.get_rank()
+        body = json.dumps(value, separators=(",", ":")).encode()
+        msg = self._mac(me, seq, body) + body
+        blobs = all_gather_bytes(msg, self._group)
+        out = []
+        for i, blob in enumerate(blobs):
+            rank = i if self._group is None else dist.get_global_rank(self._group, i)
+            mac, body = blob[:MAC_BYTES], blob[MAC_BYTES:]
+            if not hmac.compare_digest(mac, self._mac(rank, seq, body)):
+                raise TransientReject(
+                    f"control message '{self._purpose}' #{seq} from rank {rank} failed "
+                    "authentication (tampered, replayed, or another run key); not used"
+                )
+            out.append(json.loads(body))
+        return out
+
+
+def all_gather_bytes(data: bytes, group: Any = None) -> list[bytes]:
+    """Every rank's `data`, in group rank order (two gloo all-gathers: sizes, then bytes
+    padded to the longest)."""
+    world = dist.get_world_size(group)
+    size = torch.tensor([len(data)], dtype=torch.int64)
+    sizes = [torch.empty(1, dtype=torch.int64) for _ in range(world)]
+    dist.all_gather(sizes, size, group=group)
+    longest = max(int(s.item()) for s in sizes)
+    buf = torch.zeros(longest, dtype=torch.uint8)
+    if data:
+        buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    bufs = [torch.empty(longest, dtype=torch.uint8) for _ in range(world)]
+    dist.all_gather(bufs, buf, group=group)
+    return [b[: int(s.item())].numpy().tobytes() for b, s in zip(bufs, sizes, strict=True)]
+
+
+def agree(run_key: bytes, run_id: str, epoch_seen: int, group: Any = None) -> Session:
+    """A collective: the session of this launch (see the module docstring). `epoch_seen`:
+    the highest epoch this rank's node has recorded (-1: none, or not a node leader)."""
+    boot = Control(run_key, Session.unagreed(run_id), "session-agree", group)
+    views = boot.gather({"nonce": os.urandom(SESSION_BYTES).hex(), "epoch": epoch_seen})
+    sid = hashlib.sha256(b"".join(bytes.fromhex(v["nonce"]) for v in views)).digest()
+    session = Session(run_id, sid[:SESSION_BYTES], max(int(v["epoch"]) for v in views) + 1)
+    try:
+        confirm = Control(run_key, session, "session-confirm", group).gather(session.epoch)
+    except TransientReject:
+        raise SessionError(
+            f"the ranks of run {run_id} do not agree on the session: some rank holds "
+            "another run key (copy the same key file to every node) or the agreement was "
+            "tampered with; stopping"
+        ) from None
+    if set(confirm) != {session.epoch}:
+        raise SessionError(f"the ranks of run {run_id} disagree on the epoch: {confirm}")
+    return session
+
+
+def rendezvous_store(
+    host: str, port: int, world: int, is_master: bool, timeout: timedelta
+) -> dist.TCPStore:
+    """torch's TCPStore, whose server listens on `host` only.
+
+    TCPStore's own server binds the wildcard address (every interface, public ones
+    included) and has no option for an address. It does accept a listening socket
+    (`master_listen_fd`, served by its libuv backend): geotrain binds that socket to the
+    plan's master address itself, so the store is reachable only where the plan says."""
+    if not is_master:
+        return dist.TCPStore(host, port, world, False, timeout=timeout)
+    family = socket.AF_INET6 if _is_ipv6(host) else socket.AF_INET
+    sock = socket.create_server((host, port), family=family, backlog=1024)
+    fd = sock.detach()  # the store owns the descriptor from here
+    try:
+        return dist.TCPStore(
+            host,
+            sock_port(fd),
+            world,
+            True,
+            timeout=timeout,
+            master_listen_fd=fd,
+            use_libuv=True,
+        )
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+        raise
+
+
+def sock_port(fd: int) -> int:
+    with socket.socket(fileno=os.dup(fd)) as s:
+        return int(s.getsockname()[1])
+
+
+def _is_ipv6(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).version == 6
+    except ValueError:  # a name: resolve it the way the clients will
+        return socket.getaddrinfo(host, None)[0][0] == socket.AF_INET6
