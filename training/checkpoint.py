@@ -23,6 +23,21 @@ Pruning to `keep` runs on every node by its leader, and only once every node has
 the new step, so the newest common step always survives; a step-N/ directory
 goes when its last node directory does.
 
+Loads read exactly the bytes that were verified: `load` checks the manifest (MAC, run,
+node, and that its step is the directory's), then DCP reads through a `VerifiedReader`
+that reads each file once into memory, checks its SHA-256 against the manifest and only
+then hands those bytes to DCP, so a file swapped after the check is never read and
+nothing unverified is unpickled. Every value the nodes exchange to agree (resume, commit
+confirmation) is JSON under a per-rank MAC (training.session.Control), never a pickle.
+
+Rollback: each node keeps a MAC'd record (`high-water-<node>.json` in `state_dir`: the
+run dir under the launcher, else the root) of the highest step it started to commit
+(written before the marker) and of the launch epoch. Resume refuses, on every rank, to
+go back past a node's high-water mark unless that step was seen and set aside with a
+reason (torn, quarantined): a renamed or deleted newer checkpoint, or a deleted record,
+is a RollbackError unless the operator allows it (GEOTRAIN_ALLOW_ROLLBACK=1). Deleting a
+node's whole checkpoint root together with its record starts over, like `--fresh`.
+
 Saves are asynchronous. `save` only deep-copies the state's plain values and hands its
 tensors to a writer thread, which first copies them into CPU buffers kept from the
 previous save (a `Snapshot`: no allocation), then runs DCP (its planning is a collective
@@ -37,14 +52,17 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import copy
+import dataclasses
 import hashlib
 import hmac
+import io
 import json
 import os
+import pickle
 import shutil
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -52,12 +70,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import DefaultSavePlanner
+from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.filesystem import FileSystem
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
+from torch.futures import Future
 
 from training import gloo
-from training.codec import derive_key
-from training.errors import CheckpointError
+from training.errors import CheckpointError, RollbackError
+from training.session import Control, Session, derive
+from training.spec import node_root as node_root  # re-exported: callers fill in roots here
+from training.spec import record_path
 
 # DCP reports write failures as OSError, torch.save's RuntimeError, or its own
 # CheckpointException (a BaseException subclass)
@@ -69,21 +93,14 @@ QUARANTINE = "quarantine"
 REASON = "REASON"
 PLACEHOLDERS = ("{stack}", "{node}", "{region}")
 """What a checkpoint dir may contain; the worker fills them in (`node_root`)."""
+ALLOW_ROLLBACK_ENV = "GEOTRAIN_ALLOW_ROLLBACK"
+"""Set to 1 to resume behind a node's high-water mark (the operator's explicit choice)."""
 
 
 def step_of(path: Path) -> int:
     """The step of `<root>/step-N` or of a node directory `<root>/step-N/<node>`."""
     name = path.name if path.name.startswith(PREFIX) else path.parent.name
     return int(name[len(PREFIX) :])
-
-
-def node_root(template: str, stack: str, node: str, region: str) -> Path:
-    """A node's checkpoint root: `template` with {stack}, {node} and {region} filled in.
-    With {node} (or {region}) every node gets its own root, as on hosts without a shared
-    filesystem; without, nodes share one root and keep apart by their node directories."""
-    return Path(
-        template.replace("{stack}", stack).replace("{node}", node).replace("{region}", region)
-    )
 
 
 def node_group(ranks_by_node: list[list[int]]) -> Any:
@@ -142,6 +159,12 @@ class Checkpointer:
     on_commit: Callable[[int], None] | None = None
     """Called on the leader's writer thread once its node's step is committed (other nodes
     may not have committed it yet)."""
+    state_dir: Path | None = None
+    """Where the node's high-water record lives (None: the root)."""
+    allow_rollback: bool = False
+    """Resume behind the high-water mark instead of refusing (ALLOW_ROLLBACK_ENV)."""
+    session: Session | None = None
+    """The launch's session (`start`); None: an unagreed one (tests and tools)."""
     pending: concurrent.futures.Future[Any] | None = None
     pending_dir: Path | None = None
     fallbacks: list[Fallback] = field(default_factory=list)
@@ -156,7 +179,17 @@ class Checkpointer:
         self._staged: tuple[threading.Event, int, float] | None = None
         """(copy taken, step, seconds save() took) of the save the loop has not fenced."""
         self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ckpt")
-        self._mac_key = derive_key(self.run_key, "checkpoint-manifest", 32)
+        # manifests and records outlive sessions, and name their run in their body (so a
+        # checkpoint of another run under the same key is reported as such): keyed by the
+        # run key and purpose alone
+        self._mac_key = derive(self.run_key, b"", "checkpoint-manifest", 32)
+        self._record_key = derive(self.run_key, b"", "node-record", 32)
+        self._record_file = record_path(self.state_dir or self.root, self.node)
+        self._control = Control(
+            self.run_key, self.session or Session.unagreed(self.run_id), "checkpoint", self.world
+        )
+        self._record: dict[str, Any] = {}
+        self._record_problem: str | None = None
         if self.leader:
             try:
                 self.root.mkdir(parents=True, exist_ok=True)
@@ -169,6 +202,48 @@ class Checkpointer:
                     f"({e.strerror}); fix its permissions or set "
                     "geotrain:training.checkpoint.dir"
                 ) from None
+            self._record, self._record_problem = self._read_record()
+
+    @property
+    def stored_epoch(self) -> int:
+        """The epoch this node recorded at its last launch (-1: none; not a leader)."""
+        return int(self._record.get("epoch", -1))
+
+    def start(self, session: Session) -> None:
+        """Adopt the launch's agreed session: the leader records its epoch (a record that
+        does not verify is left for `latest` to report)."""
+        self.session = session
+        self._control = Control(self.run_key, session, "checkpoint", self.world)
+        if self.leader and self._record_problem is None:
+            self._write_record(epoch=session.epoch)
+
+    # -- the high-water record --------------------------------------------------------------
+    def _read_record(self) -> tuple[dict[str, Any], str | None]:
+        """(this run's record, or {}; why a record present could not be used)."""
+        try:
+            body = json.loads(self._record_file.read_text(encoding="utf-8"))
+            mac = body.pop("mac")
+            canon = json.dumps(body, sort_keys=True).encode()
+        except FileNotFoundError:
+            return {}, None
+        except (OSError, ValueError, KeyError, AttributeError, TypeError):
+            return {}, f"its high-water record {self._record_file} is unreadable"
+        good = hmac.new(self._record_key, canon, hashlib.sha256).hexdigest()
+        if not isinstance(mac, str) or not hmac.compare_digest(good, mac):
+            return {}, f"its high-water record {self._record_file} does not verify"
+        if (body.get("run_id"), body.get("node")) != (self.run_id, self.node):
+            return {}, None  # another run's record: nothing of this run was committed
+        return body, None
+
+    def _write_record(self, **changes: Any) -> None:
+        """Leader: update this node's record (atomic replace)."""
+        body = {"epoch": -1, "high_water": None, **self._record, **changes}
+        body.update(run_id=self.run_id, node=self.node)
+        canon = json.dumps(body, sort_keys=True).encode()
+        mac = hmac.new(self._record_key, canon, hashlib.sha256).hexdigest()
+        self._record_file.parent.mkdir(parents=True, exist_ok=True)
+        _write_atomic(self._record_file, json.dumps({**body, "mac": mac}, sort_keys=True))
+        self._record, self._record_problem = body, None
 
     def dir_of(self, step: int) -> Path:
         """This node's directory of `step`."""
@@ -239,12 +314,10 @@ class Checkpointer:
             raise failed
 
     def _everywhere(self, value: int) -> int:
-        """The minimum of `value` over every rank (on `world`)."""
+        """The minimum of `value` over every rank (on `world`, authenticated)."""
         if self.world is None:
             return value
-        t = torch.tensor([value], dtype=torch.int64)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.world)
-        return int(t.item())
+        return min(int(v) for v in self._control.gather(value))
 
     def saving(self) -> bool:
         """Whether a save is still being written in the background."""
@@ -278,6 +351,10 @@ class Checkpointer:
         canon = json.dumps(body, sort_keys=True).encode()
         body["hmac"] = hmac.new(self._mac_key, canon, hashlib.sha256).hexdigest()
         _write_atomic(d / MANIFEST, json.dumps(body, indent=1, sort_keys=True))
+        # the high-water mark first: a committed step is never above it (a kill between
+        # the two leaves a torn directory, which resume sees and sets aside)
+        if step > (self._record.get("high_water") or -1) or self._record_problem:
+            self._write_record(high_water=step)
         _write_atomic(d / MARKER, hashlib.sha256(canon).hexdigest() + "\n")
 
     def _prune(self) -> None:
@@ -311,11 +388,10 @@ class Checkpointer:
         return [s for s in self._steps() if (self.dir_of(s) / MARKER).exists()]
 
     def _gather(self, obj: Any) -> list[Any]:
+        """Every rank's JSON-able `obj` (authenticated, no pickle)."""
         if self.world is None:
-            return [obj]
-        out: list[Any] = [None] * dist.get_world_size(self.world)
-        dist.all_gather_object(out, obj, group=self.world)
-        return out
+            return [json.loads(json.dumps(obj))]  # the same shapes as over the wire
+        return self._control.gather(obj)
 
     def latest(self) -> Path | None:
         """This node's directory of the newest step that every node has committed and
@@ -324,30 +400,77 @@ class Checkpointer:
         and `fallbacks` says which and why."""
         torn: list[Fallback] = []
         mine: list[int] | None = None
+        record: dict[str, Any] = {}
         if self.leader:  # a save that died leaves a directory without a marker
             for s in self._steps():
                 if not (self.dir_of(s) / MARKER).exists():
                     self._remove(self.dir_of(s))
                     torn.append(Fallback(s, self.node, "no commit marker (torn save)", None))
             mine = self._committed()
-        views = [v for v in self._gather((self.node, mine, torn)) if v[1] is not None]
-        have = {node: set(steps) for node, steps, _ in views}
+            record = {"high_water": self._record.get("high_water"), "why": self._record_problem}
+        views = [
+            (node, steps, [Fallback(**f) for f in t], rec)
+            for node, steps, t, rec in self._gather(
+                [self.node, mine, [dataclasses.asdict(f) for f in torn], record]
+            )
+            if steps is not None
+        ]
+        have = {node: set(steps) for node, steps, _, _ in views}
         problems: dict[tuple[int, str], Problem] = {}
         chosen = None
         for step in sorted(set.intersection(*have.values()) if have else set(), reverse=True):
             problem = self._problem(self.dir_of(step)) if self.leader else None
-            found = [(n, p) for n, p in self._gather((self.node, problem)) if p]
+            found = [(n, tuple(p)) for n, p in self._gather([self.node, problem]) if p]
             if not found:
                 chosen = step
                 break
             problems.update({(step, n): p for n, p in found})
-        torn_at = {(f.step, f.node) for _, _, t in views for f in t}
+        torn_at = {(f.step, f.node) for _, _, t, _ in views for f in t}
+        behind = self._behind_high_water(chosen, views, torn_at)  # raises unless allowed
         moved = self._set_aside(chosen, have, problems, torn_at) if self.leader else []
-        self.fallbacks = [f for _, _, t in views for f in t]
-        for part in self._gather(moved):  # also the barrier: nothing is moved after this
-            self.fallbacks += part
+        if self.leader and (behind or (self._record.get("high_water") or -1) > (chosen or -1)):
+            # every step past `chosen` was set aside with a reason, or the operator allowed
+            # going back: the mark follows, so the next resume does not refuse again
+            self._write_record(high_water=chosen)
+        self.fallbacks = [f for _, _, t, _ in views for f in t] + behind
+        for part in self._gather([dataclasses.asdict(f) for f in moved]):  # also the barrier
+            self.fallbacks += [Fallback(**f) for f in part]
         self.fallbacks.sort(key=lambda f: (-f.step, f.node))
         return None if chosen is None else self.dir_of(chosen)
+
+    def _behind_high_water(
+        self,
+        chosen: int | None,
+        views: list[tuple[str, list[int], list[Fallback], dict[str, Any]]],
+        torn: set[tuple[int, str]],
+    ) -> list[Fallback]:
+        """Refuse (RollbackError, the same on every rank) to resume behind a node's
+        high-water mark when that step vanished without a trace, or from a node that has
+        no valid record; with allow_rollback, the fallbacks that say so."""
+        issues: list[Fallback] = []
+        for node, steps, _, rec in views:
+            mark = rec.get("high_water")
+            if mark is None and chosen is not None:
+                why = rec.get("why") or "it has no high-water record"
+                issues.append(Fallback(chosen, node, f"{why} (deleted or replaced?)", None))
+            elif (
+                mark is not None
+                and mark > (chosen if chosen is not None else -1)
+                and mark not in steps
+                and (mark, node) not in torn
+            ):
+                why = f"step {mark} (its high-water mark) was committed and is gone"
+                issues.append(Fallback(mark, node, f"{why} (deleted or renamed)", None))
+        if issues and not self.allow_rollback:
+            first = issues[0]
+            raise RollbackError(
+                f"checkpoint rollback refused: node {first.node}: {first.reason}; resume "
+                f"would go back to step {chosen if chosen is not None else 0}"
+                f"{f' ({len(issues) - 1} more node(s) alike)' if len(issues) > 1 else ''}. "
+                f"If that is intended, restart with {ALLOW_ROLLBACK_ENV}=1, or delete the "
+                "whole checkpoint dir to start over"
+            )
+        return [dataclasses.replace(f, reason=f"{f.reason}; allowed") for f in issues]
 
     def _set_aside(
         self,
@@ -446,10 +569,102 @@ class Checkpointer:
             raise CheckpointError(f"{d}: {problem[1]}")
 
     def load(self, d: Path, state: dict[str, Any]) -> None:
-        """Load verified `d` into `state` in place (tensors are filled, not replaced), over
-        the node's group: every rank reads only its own node's directory."""
-        self.verify(d)
-        dcp.load(state, checkpoint_id=str(d), process_group=self.group)
+        """Load `d` into `state` in place (tensors are filled, not replaced), over the
+        node's group: every rank reads only its own node's directory, and DCP gets exactly
+        the bytes that were checked against the manifest (VerifiedReader)."""
+        files = self._verified_manifest(d)
+        dcp.load(state, storage_reader=VerifiedReader(d, files), process_group=self.group)
+
+    def _verified_manifest(self, d: Path) -> dict[str, str]:
+        """The manifest's file digests, read once; raises unless it is committed,
+        authentic, of this run, this node and the step of its directory."""
+        where = f"{d}: not loaded"
+        if not (d / MARKER).exists():
+            raise CheckpointError(f"{where}: no commit marker (torn save)")
+        try:
+            body = json.loads((d / MANIFEST).read_text(encoding="utf-8"))
+            mac = body.pop("hmac")
+            canon = json.dumps(body, sort_keys=True).encode()
+        except (OSError, ValueError, KeyError, AttributeError, TypeError):
+            raise CheckpointError(f"{where}: manifest missing or unreadable") from None
+        good = hmac.new(self._mac_key, canon, hashlib.sha256).hexdigest()
+        if not isinstance(mac, str) or not hmac.compare_digest(good, mac):
+            raise CheckpointError(f"{where}: manifest does not verify under this run's key")
+        if (body.get("run_id"), body.get("step"), body.get("node")) != (
+            self.run_id,
+            step_of(d),
+            self.node,
+        ):
+            raise CheckpointError(
+                f"{where}: manifest is of run {body.get('run_id')} step {body.get('step')} "
+                f"node {body.get('node')}, the directory of run {self.run_id} step "
+                f"{step_of(d)} node {self.node}"
+            )
+        return dict(body["files"])
+
+
+class VerifiedReader(FileSystemReader):
+    """DCP's file reader over verified bytes: each file DCP asks for is read from disk
+    once, its SHA-256 compared with the (already verified) manifest, and only those bytes
+    are served, so a file changed or swapped after the check is never read. The metadata
+    pickle is unpickled from verified bytes only; a rank fetches and checks every file its
+    load plan needs before it reads any of them, so a bad file loads nothing there."""
+
+    def __init__(self, path: Path, digests: dict[str, str]) -> None:
+        super().__init__(path)
+        self._dir = path
+        self._digests = digests
+        self._bytes: dict[str, bytes] = {}
+        self.fs = _Served(self._dir, self._bytes)
+
+    def _verified(self, name: str) -> bytes:
+        want = self._digests.get(name)
+        if want is None:
+            raise CheckpointError(
+                f"{self._dir}: DCP asked for {name}, which the manifest does not list; not loaded"
+            )
+        data = (self._dir / name).read_bytes()
+        if not hmac.compare_digest(hashlib.sha256(data).hexdigest(), want):
+            raise CheckpointError(
+                f"{self._dir}: file {name} changed after it was verified (digest mismatch); "
+                "not loaded"
+            )
+        return data
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        rank = kwargs.get("rank")
+        name = ".metadata" if rank is None else f"__{rank}.metadata"
+        metadata = pickle.loads(self._verified(name))  # verified bytes: written by this run
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        names = sorted({self.storage_data[i.storage_index].relative_path for i in plan.items})
+        try:
+            for name in names:  # all of them checked before DCP reads any
+                self._bytes[name] = self._verified(name)
+            return super().read_data(plan, planner)
+        finally:
+            self._bytes.clear()
+
+
+class _Served(FileSystem):
+    """The file system DCP's reader sees: only the verified bytes of `served`."""
+
+    def __init__(self, root: Path, served: dict[str, bytes]) -> None:
+        self._root = root
+        self._served = served
+
+    @contextlib.contextmanager
+    def create_stream(
+        self, path: str | os.PathLike[str], mode: str
+    ) -> Generator[io.IOBase, None, None]:
+        name = str(Path(path).relative_to(self._root))
+        if mode != "rb" or name not in self._served:
+            raise CheckpointError(f"{self._root}: {name} was not verified; not loaded")
+        yield io.BytesIO(self._served[name])
 
 
 class Snapshot:

@@ -178,12 +178,50 @@ class LaunchSpec:
         return LaunchSpec.from_json(text, str(p))
 
 
+def node_root(template: str, stack: str, node: str, region: str) -> Path:
+    """A node's checkpoint root: `template` with {stack}, {node} and {region} filled in.
+    With {node} (or {region}) every node gets its own root, as on hosts without a shared
+    filesystem; without, nodes share one root and keep apart by their node directories."""
+    return Path(
+        template.replace("{stack}", stack).replace("{node}", node).replace("{region}", region)
+    )
+
+
+def record_path(state_dir: Path, node: str) -> Path:
+    """A node's high-water record (training.checkpoint)."""
+    return state_dir / f"high-water-{node}.json"
+
+
 def metrics_port(base: int, first_rank: int, local_rank: int, shared_host: bool) -> int:
     """Port of a worker's metrics endpoint; 0 disables metrics. When every node shares one
     host (the local stack), ports are offset by global rank so they do not collide."""
     if base == 0:
         return 0
     return base + (first_rank if shared_host else 0) + local_rank
+
+
+def metrics_endpoint(spec: LaunchSpec, node: NodeSpec, local_rank: int) -> tuple[str, int]:
+    """(address, port) a worker's metrics endpoint binds; port 0: no endpoint."""
+    host = node.host if spec.metrics_bind == "private" else spec.metrics_bind
+    shared = len({n.host for r in spec.regions for n in r.nodes}) == 1
+    return host, metrics_port(spec.metrics_port, node.first_rank, local_rank, shared)
+
+
+def listeners(spec: LaunchSpec) -> list[dict[str, Any]]:
+    """Every socket the runtime listens on, from the same functions the workers bind
+    with: the rendezvous store (rank 0, training.session.rendezvous_store), each worker's
+    gloo device (training.gloo; ephemeral ports, shown as 0) and metrics endpoint."""
+    out: list[dict[str, Any]] = [
+        {"service": "rendezvous", "bind": spec.master_addr, "port": spec.master_port}
+    ]
+    for r in spec.regions:
+        for n in r.nodes:
+            for i in range(n.nprocs):
+                out.append({"service": "gloo", "bind": n.host, "port": 0, "node": n.name})
+                host, port = metrics_endpoint(spec, n, i)
+                if port:
+                    out.append({"service": "metrics", "bind": host, "port": port, "node": n.name})
+    return out
 
 
 def _from_dict(raw: Any, source: str) -> LaunchSpec:

@@ -262,8 +262,13 @@ def _both_resume_from(root: Path, step: int) -> list[Any]:
 
 
 def test_ranks_resume_from_the_newest_step_every_node_committed(tmp_path: Path) -> None:
-    root = _hosts(tmp_path)
-    shutil.rmtree(tmp_path / "hosts" / "n1" / "step-2")  # n1 never committed step 2
+    _make(tmp_path, (1,), nodes=TWO_NODES, root="hosts/{node}")
+    n1 = tmp_path / "hosts" / "n1"
+    record = (n1 / "high-water-n1.json").read_bytes()
+    root = _make(tmp_path, (2,), nodes=TWO_NODES, root="hosts/{node}")
+    # n1 never committed step 2: its directory and its high-water mark as after step 1
+    shutil.rmtree(n1 / "step-2")
+    (n1 / "high-water-n1.json").write_bytes(record)
     fallbacks = _both_resume_from(root, 1)
     assert [(f.step, f.node) for f in fallbacks] == [(2, "n0")]
     assert "not committed on node n1" in fallbacks[0].reason
