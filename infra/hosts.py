@@ -243,8 +243,9 @@ def _boot_script(h: Host, cgroups: list[Path]) -> str:
         f"mount -t tmpfs -o mode=1777 tmpfs {root}/tmp",
         *_cgroup_mounts(root),
     ]
-    for b in h.binds:
+    for b in h.binds:  # after the tmpfs mounts: a target under /tmp must stay visible
         target = f"{root}/{b.target.lstrip('/')}"
+        inner.append(f"mkdir -p {shlex.quote(target)}")
         inner.append(f"mount --bind {shlex.quote(b.source)} {shlex.quote(target)}")
         if b.read_only:
             inner.append(f"mount -o remount,bind,ro {shlex.quote(target)}")
@@ -404,6 +405,14 @@ def tool_missing(tools: Iterable[str]) -> list[str]:
 
 VENV_IN_HOST = "/opt/geotrain/.venv"
 """Where simulated hosts see their runtime (where the agent builds it on a real host)."""
+
+
+def runtime_binds(venv: Path) -> tuple[Bind, ...]:
+    """What a host needs to run the shared runtime venv `venv`: the venv itself at
+    VENV_IN_HOST, and, at their own paths, the environment its .pth line and interpreter
+    link point into (they may live under /tmp, which hosts see as their own tmpfs)."""
+    same = sorted({os.path.realpath(sys.prefix), os.path.realpath(sys.base_prefix)})
+    return (Bind(str(venv), VENV_IN_HOST), *(Bind(p, p) for p in same))
 
 
 def runtime_venv(wheel: Path, root: Path) -> Path:

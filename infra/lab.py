@@ -34,11 +34,10 @@ from pathlib import Path
 from geotrain.agent.bootstrap import missing_packages
 from geotrain.agent.hostspec import HostSpec
 from infra.hosts import (
-    VENV_IN_HOST,
-    Bind,
     Host,
     find_systemd,
     remove_cgroups,
+    runtime_binds,
     runtime_venv,
     stop_netns_processes,
 )
@@ -133,7 +132,7 @@ def hosts(plan: Plan, state_dir: Path, venv: Path) -> dict[str, Host]:
             name=n.name,
             netns=str(n.netns),
             state_dir=state_dir / "hosts" / n.name,
-            binds=(Bind(str(venv), VENV_IN_HOST),),
+            binds=runtime_binds(venv),
         )
         h.pid = find_systemd(h.netns)
         out[n.name] = h

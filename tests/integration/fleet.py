@@ -27,7 +27,7 @@ from typing import Any
 
 import yaml
 
-from infra.hosts import VENV_IN_HOST, Bind, Host, remove_cgroups, runtime_venv, stop_netns_processes
+from infra.hosts import Host, remove_cgroups, runtime_binds, runtime_venv, stop_netns_processes
 from infra.lab import VENVS
 from infra.render.bundle import runtime_wheel
 from infra.replay import Executor
@@ -248,7 +248,7 @@ def _wire(f: Fleet, doc: dict[str, Any]) -> None:
                 netns=ns,
                 state_dir=f.root / "hosts" / n["name"],
                 units=("ssh.service",),
-                binds=(Bind(str(venv), VENV_IN_HOST),),
+                binds=runtime_binds(venv),
             )
             host.start()
             f.hosts[n["name"]] = host

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from infra.hosts import VENV_IN_HOST, Bind, Host, runtime_venv
+from infra.hosts import Host, runtime_binds, runtime_venv
 from infra.lab import VENVS
 from infra.model.load import validate
 from infra.plan import Plan, build_plan
@@ -72,7 +72,7 @@ def host(tmp_path: Path) -> Iterator[Host]:
         ):
             subprocess.run(["ip", *args], check=True)
         venv = runtime_venv(runtime_wheel(), VENVS)
-        h = Host("bj-0", NETNS, tmp_path / "host", binds=(Bind(str(venv), VENV_IN_HOST),))
+        h = Host("bj-0", NETNS, tmp_path / "host", binds=runtime_binds(venv))
         h.start()
         yield h
         h.stop()
