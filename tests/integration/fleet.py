@@ -35,7 +35,18 @@ from infra.replay import Executor
 PREFIX = "gt-fl-"
 OPERATOR = "198.18.0.1"
 OUTSIDER = "198.18.1.99"
-SNAPSHOT_DIRS = ("/etc", "/opt", "/var/lib", "/usr/local", "/home", "/root", "/run/systemd/system")
+SNAPSHOT_DIRS = (
+    "/etc",
+    "/opt/geotrain",
+    "/var/lib",
+    "/usr/local/sbin",
+    "/usr/local/bin",
+    "/home",
+    "/root/.geotrain",
+    "/run/systemd/system",
+)
+"""Everywhere a deployment may write (not /root or /opt at large: this machine keeps its
+interpreters and package caches there, gigabytes no deployment touches)."""
 SNAPSHOT_IGNORE = (
     "/var/lib/systemd/",
     "/var/lib/apt/",
@@ -66,6 +77,7 @@ def snapshot(host: Host) -> dict[str, str]:
         "      st=os.lstat(p)\n"
         "      if stat.S_ISLNK(st.st_mode): v='l:'+os.readlink(p)\n"
         "      elif stat.S_ISDIR(st.st_mode): v='d'\n"
+        "      elif st.st_size > 4<<20: v=f's:{st.st_size}:{st.st_mtime_ns}'\n"
         "      else: v='f:'+hashlib.sha256(open(p,'rb').read()).hexdigest()[:16]\n"
         "      out[p]=f'{v} {st.st_mode:o} {st.st_uid}:{st.st_gid}'\n"
         "print(json.dumps(out))\n"
