@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from typing import Any
 
 import pytest
 
 from infra import outputs
 from infra.mocks import Recording, run_under_mocks
 from infra.model import load_stack
-from infra.model.load import validate
 
 
 def _run(stack: str) -> Recording:
@@ -86,23 +84,20 @@ def test_the_run_key_is_an_engine_secret_on_stdin_and_never_logged() -> None:
         assert a.inputs["logging"] == "none"
 
 
-def _k8s_stack() -> Any:
-    raw = load_stack("local").model_dump(mode="json")
-    for r in raw["regions"]:
-        r["pool"]["kind"] = "kubernetes"
-        r["pool"]["nodes"][0]["address"] = "198.51.100.7"
-    raw["stack"] = "k8s"
-    return validate(raw, "test")
-
-
-def test_kubernetes_pools_get_a_provider_and_workloads_per_region() -> None:
-    rec = run_under_mocks(_k8s_stack())
+def test_kubernetes_pools_get_a_strict_provider_and_workloads_per_region() -> None:
+    rec = _run("k8s")  # stacks/Pulumi.k8s.yaml: two clusters
     types = Counter(r.type for r in rec.resources)
-    assert types["pulumi:providers:kubernetes"] == 3
-    assert types["kubernetes:apps/v1:StatefulSet"] == 3
-    assert types["kubernetes:core/v1:ConfigMap"] == 3
+    assert types["pulumi:providers:kubernetes"] == 2
+    workloads = types["kubernetes:apps/v1:StatefulSet"] + types.get(
+        "kubernetes:jobset.x-k8s.io/v1alpha2:JobSet", 0
+    )
+    assert workloads == 2
+    specs = [c for c in rec.by_type("kubernetes:core/v1:ConfigMap") if c.name.endswith("-spec")]
+    assert len(specs) == 2
     for svc in rec.by_type("kubernetes:core/v1:Service"):
         assert svc.inputs["spec"]["type"] == "ClusterIP", svc.urn
+    for p in rec.by_type("pulumi:providers:kubernetes"):
+        assert p.inputs.get("context"), f"{p.urn}: no context: the ambient one would be used"
     for sts in rec.by_type("kubernetes:apps/v1:StatefulSet"):
         assert sts.provider and "provider" in sts.provider, sts.urn
 
