@@ -8,8 +8,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from infra.model.clouds import CLOUD_KINDS, CLOUDS
 from infra.plan import Plan, PlanRegion
 from infra.render.runtime import render_launch_spec
+from training.spec import listeners
 
 
 def tags(plan: Plan, jurisdiction: str | None = None) -> dict[str, str]:
@@ -20,7 +22,7 @@ def tags(plan: Plan, jurisdiction: str | None = None) -> dict[str, str]:
 
 
 def pool_facts(plan: Plan, r: PlanRegion) -> dict[str, Any]:
-    return {
+    facts: dict[str, Any] = {
         "region": r.name,
         "jurisdiction": r.jurisdiction,
         "kind": r.kind,
@@ -29,6 +31,29 @@ def pool_facts(plan: Plan, r: PlanRegion) -> dict[str, Any]:
             for n in r.nodes
         ],
         "tags": tags(plan, r.jurisdiction),
+    }
+    if r.kind in CLOUD_KINDS:
+        facts.update(_cloud_pool(plan, r, facts["nodes"]))
+    return facts
+
+
+def _cloud_pool(plan: Plan, r: PlanRegion, nodes: list[dict[str, Any]]) -> dict[str, Any]:
+    """Cloud pools: each node's instance type and its list price in the cloud region (the
+    budget rule's numbers), and where SSH may come from (the firewall rule's)."""
+    s, cloud = r.pool.cloud, CLOUDS[r.kind]
+    for n in nodes:
+        t = cloud.instance(n["gpu_type"], n["gpus"])
+        offer = t.offers.get(str(s.region)) if t else None
+        n["instance_type"] = t.name if t else None
+        n["usd_per_hour"] = offer.usd_per_hour if offer else None
+    return {
+        "cloud": {
+            "provider": r.kind,
+            "region": s.region,
+            "zone": s.zone,
+            "spot": s.spot,
+            "admin_cidrs": [str(c) for c in plan.network.admin_cidrs],
+        }
     }
 
 
@@ -89,20 +114,12 @@ def routing_facts(plan: Plan) -> dict[str, Any]:
 def monitoring_facts(plan: Plan) -> dict[str, Any]:
     mon = plan.model.monitoring
     host = plan.monitoring_host.private_ip
-    metrics = host if mon.bind_address == "private" else mon.bind_address
     endpoints = [
         {"service": "prometheus", "bind": host, "port": mon.prometheus_port},
         {"service": "grafana", "bind": host, "port": mon.grafana_port},
     ]
-    endpoints += [
-        {
-            "service": "metrics",
-            "bind": metrics if mon.bind_address != "private" else n.private_ip,
-            "port": mon.metrics_port,
-            "node": n.name,
-        }
-        for n in plan.nodes
-    ]
+    # every worker's metrics endpoint, from the function the worker binds with
+    endpoints += [e for e in listeners(render_launch_spec(plan)) if e["service"] == "metrics"]
     return {"endpoints": endpoints, "tags": tags(plan)}
 
 
@@ -124,8 +141,8 @@ def training_facts(plan: Plan) -> dict[str, Any]:
             "interval_minutes": spec.checkpoint.interval_minutes,
             "keep": spec.checkpoint.keep,
         },
-        "endpoints": [
-            {"service": "rendezvous", "bind": spec.master_addr, "port": spec.master_port}
-        ],
+        # what the runtime listens on, as it binds it (training.spec.listeners): the
+        # rendezvous store on the master address, every worker's gloo on its node's
+        "endpoints": [e for e in listeners(spec) if e["service"] != "metrics"],
         "tags": tags(plan),
     }

@@ -572,8 +572,13 @@ class Checkpointer:
         """Load `d` into `state` in place (tensors are filled, not replaced), over the
         node's group: every rank reads only its own node's directory, and DCP gets exactly
         the bytes that were checked against the manifest (VerifiedReader)."""
-        files = self._verified_manifest(d)
-        dcp.load(state, storage_reader=VerifiedReader(d, files), process_group=self.group)
+        reader = VerifiedReader(d, self._verified_manifest(d))
+        try:
+            dcp.load(state, storage_reader=reader, process_group=self.group)
+        except (CheckpointException, AssertionError, RuntimeError):
+            if reader.refused is not None:  # DCP rewraps it; say what the reader refused
+                raise reader.refused from None
+            raise
 
     def _verified_manifest(self, d: Path) -> dict[str, str]:
         """The manifest's file digests, read once; raises unless it is committed,
@@ -616,20 +621,20 @@ class VerifiedReader(FileSystemReader):
         self._digests = digests
         self._bytes: dict[str, bytes] = {}
         self.fs = _Served(self._dir, self._bytes)
+        self.refused: CheckpointError | None = None
+        """The first file refused (DCP reports it wrapped in its own exceptions)."""
 
     def _verified(self, name: str) -> bytes:
         want = self._digests.get(name)
         if want is None:
-            raise CheckpointError(
-                f"{self._dir}: DCP asked for {name}, which the manifest does not list; not loaded"
-            )
-        data = (self._dir / name).read_bytes()
-        if not hmac.compare_digest(hashlib.sha256(data).hexdigest(), want):
-            raise CheckpointError(
-                f"{self._dir}: file {name} changed after it was verified (digest mismatch); "
-                "not loaded"
-            )
-        return data
+            why = f"DCP asked for {name}, which the manifest does not list"
+        else:
+            data = (self._dir / name).read_bytes()
+            if hmac.compare_digest(hashlib.sha256(data).hexdigest(), want):
+                return data
+            why = f"file {name} changed after it was verified (digest mismatch)"
+        self.refused = self.refused or CheckpointError(f"{self._dir}: {why}; not loaded")
+        raise self.refused
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         rank = kwargs.get("rank")

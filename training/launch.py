@@ -3,7 +3,10 @@ node of a single-machine stack (`geotrain train`), with torchrun-style restarts.
 
 A failed worker takes its whole group down (a collective cannot finish without it); the
 group restarts up to `max_restarts` times and every rank resumes from the newest
-committed checkpoint.
+committed checkpoint. Two failures are final: bad input (exit code 2) and a hostile
+reject, which the rejecting worker records in the event log before it exits (an
+authentic payload out of place: a replay, or a key holder that misbehaves; restarting
+would only meet it again). A transient reject (corruption in transit) restarts.
 
 Workers never outlive their launcher: a SIGTERM stops their process groups, and a launcher
 killed outright (SIGKILL, OOM) takes them along through the kernel's parent-death signal.
@@ -26,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from training.errors import GeotrainError
-from training.spec import LaunchSpec, NodeSpec
+from training.spec import LaunchSpec, NodeSpec, node_root, record_path
 
 POLL_S = 0.2
 LOCK = "launcher.lock"
@@ -39,8 +42,11 @@ class Attempt:
     rc: int
     """0 when every worker finished; else the first failing worker's exit code."""
     failed: str | None = None
-    """Which worker failed first (node/local rank)."""
+    """Which worker failed first (node/local rank); the rejecting one after a hostile
+    reject."""
     seconds: float = 0.0
+    hostile: str | None = None
+    """Why the group stopped for good: a worker's hostile reject (from the event log)."""
 
 
 @dataclass
@@ -164,7 +170,9 @@ def launch(
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, _exit_on_signal)
     result = LaunchResult()
+    forget_records_of_fresh_roots(spec, nodes, run_dir)
     for restart in range(spec.max_restarts + 1):
+        started = time.time()
         env = {
             **os.environ,
             "OMP_NUM_THREADS": "1",
@@ -174,12 +182,54 @@ def launch(
             "PYTHONUNBUFFERED": "1",
         }
         attempt = run_group(spec_path, nodes, env, run_dir / "logs", on_poll)
+        if attempt.rc != 0:
+            attempt = _hostile(attempt, run_dir / "events.jsonl", nodes, started)
         result.attempts.append(attempt)
-        if attempt.rc == 0 or attempt.rc == 2:  # 2: bad input; restarting cannot help
+        if attempt.rc == 0 or attempt.rc == 2:  # 2: bad input or hostile; restarting cannot help
             break
         if on_restart and restart < spec.max_restarts:
             on_restart(attempt)
     return result
+
+
+def _hostile(attempt: Attempt, events: Path, nodes: list[NodeSpec], since: float) -> Attempt:
+    """The attempt as a hostile stop when a worker of `nodes` recorded a hostile reject
+    since `since` (its peers may have exited first, with a plain collective error)."""
+    for e in _events(events):
+        if e.get("event") != "rejected" or e.get("kind") != "hostile":
+            continue
+        if float(str(e.get("t", 0))) < since:
+            continue
+        rank = int(str(e.get("rank")))
+        for n in nodes:
+            if n.first_rank <= rank < n.first_rank + n.nprocs:
+                who = f"{n.name}/{rank - n.first_rank}"
+                return Attempt(2, who, attempt.seconds, str(e.get("reason", "")))
+    return attempt
+
+
+def _events(path: Path) -> list[dict[str, object]]:
+    out = []
+    try:
+        lines = path.read_bytes().splitlines()
+    except FileNotFoundError:
+        return []
+    for line in lines:
+        with contextlib.suppress(ValueError):
+            e = json.loads(line)
+            if isinstance(e, dict):
+                out.append(e)
+    return out
+
+
+def forget_records_of_fresh_roots(spec: LaunchSpec, nodes: list[NodeSpec], run_dir: Path) -> None:
+    """A node whose checkpoint root does not exist starts over (`geotrain train --fresh`
+    removed it, or it is a new root): its high-water record in the run dir goes too, or
+    resume would call the empty root a rollback. Checked before any worker starts."""
+    for n in nodes:
+        region, _ = spec.node(n.name)
+        if not node_root(spec.checkpoint.dir, spec.stack, n.name, region.name).exists():
+            record_path(run_dir, n.name).unlink(missing_ok=True)
 
 
 @contextlib.contextmanager

@@ -100,7 +100,13 @@ class RuntimeMetrics:
         self.ckpt_s = g(mn.CHECKPOINT_SECONDS, "Seconds of the last checkpoint save")
         self.restarts = c(mn.RESTARTS, "Restarts of this rank (resumes from a checkpoint)")
         self.merges = c(mn.MERGES, "Periodic global merges (diloco)")
-        self.rejected = c(mn.REJECTED, "Cross-region payloads that failed verification")
+        self.rejected = c(
+            mn.REJECTED, "Cross-region payloads and control messages that failed verification"
+        )
+        self.rejected_total = 0
+        """This rank's rejects, including those before a restart (`reject`)."""
+        self.serving = False
+        """Whether the endpoint is up (`serve` with a port)."""
         self._started = time.monotonic()
         self._last_ckpt: float | None = None
         self.gpu = _own_device() if gpu is None else gpu
@@ -111,6 +117,7 @@ class RuntimeMetrics:
             self.link.labels(**self._labels, peer_region=peer_region).inc(n)
 
     def serve(self, host: str, port: int) -> None:
+        """Serve on `host` only (never every interface); port 0: not at all."""
         if port == 0:
             return
         try:
@@ -120,6 +127,16 @@ class RuntimeMetrics:
                 f"cannot serve metrics on {host}:{port} ({e.strerror}); "
                 "free the port or change geotrain:monitoring.metrics_port"
             ) from None
+        self.serving = True
+
+    def reject(self, count: int = 1) -> int:
+        """Count `count` rejected messages; returns this rank's total. A restarted worker
+        first adds what the event log says it rejected before, so the counter (and the
+        GeotrainPayloadsRejected alert) survive the restart."""
+        if count:
+            self.rejected.inc(count)
+            self.rejected_total += count
+        return self.rejected_total
 
     def checkpointed(self, seconds: float) -> None:
         self._last_ckpt = time.monotonic()

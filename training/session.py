@@ -148,15 +148,15 @@ def all_gather_bytes(data: bytes, group: Any = None) -> list[bytes]:
 def agree(run_key: bytes, run_id: str, epoch_seen: int, group: Any = None) -> Session:
     """A collective: the session of this launch (see the module docstring). `epoch_seen`:
     the highest epoch this rank's node has recorded (-1: none, or not a node leader)."""
-    boot = Control(run_key, Session.unagreed(run_id), "session-agree", group)
-    views = boot.gather({"nonce": os.urandom(SESSION_BYTES).hex(), "epoch": epoch_seen})
-    sid = hashlib.sha256(b"".join(bytes.fromhex(v["nonce"]) for v in views)).digest()
-    session = Session(run_id, sid[:SESSION_BYTES], max(int(v["epoch"]) for v in views) + 1)
     try:
+        boot = Control(run_key, Session.unagreed(run_id), "session-agree", group)
+        views = boot.gather({"nonce": os.urandom(SESSION_BYTES).hex(), "epoch": epoch_seen})
+        sid = hashlib.sha256(b"".join(bytes.fromhex(v["nonce"]) for v in views)).digest()
+        session = Session(run_id, sid[:SESSION_BYTES], max(int(v["epoch"]) for v in views) + 1)
         confirm = Control(run_key, session, "session-confirm", group).gather(session.epoch)
-    except TransientReject:
+    except TransientReject as e:
         raise SessionError(
-            f"the ranks of run {run_id} do not agree on the session: some rank holds "
+            f"the ranks of run {run_id} do not agree on the session ({e}): some rank holds "
             "another run key (copy the same key file to every node) or the agreement was "
             "tampered with; stopping"
         ) from None

@@ -23,22 +23,33 @@ import torch
 import torch.distributed as dist
 
 from training import gloo
-from training.checkpoint import Checkpointer, node_group, node_root, step_of
+from training.checkpoint import (
+    ALLOW_ROLLBACK_ENV,
+    Checkpointer,
+    node_group,
+    node_root,
+    step_of,
+)
 from training.codec import Codec
 from training.data import ByteLoader, load_region_text
-from training.errors import DataError, GeotrainError, SpecError
+from training.errors import DataError, GeotrainError, HostileReject, PayloadRejected, SpecError
 from training.hier import HierarchicalAllReduce
 from training.keys import load_key
 from training.metrics import RuntimeMetrics
 from training.model import DeepSeekLM, preset
-from training.spec import LaunchSpec, metrics_port
+from training.session import Control, agree, rendezvous_store
+from training.spec import LaunchSpec, metrics_endpoint
 from training.topology import Groups, Topology, make_groups
 from training.torchrun import agent_store, from_env
 
 RENDEZVOUS_TIMEOUT_S = 600
 """How long the global store waits for every rank to join."""
 CONTROL_EVERY = 10
-"""Time-based merges/saves are agreed on every this many steps (a 2-float all-reduce)."""
+"""Time-based merges/saves are agreed on every this many steps (two flags per rank, MAC'd:
+training.session.Control)."""
+REJECT_LINGER_S = 30.0
+"""After a hostile reject, a rank that serves metrics keeps serving them this long before
+it exits, so Prometheus (15 s scrapes by default) records the count and the alert fires."""
 
 
 @dataclass
@@ -64,6 +75,8 @@ class Job:
     last_save: float = field(default_factory=time.monotonic)
     reported: dict[str, int] = field(default_factory=dict)
     """Byte counters already added to the Prometheus counters."""
+    control: Control | None = None
+    """Authenticated exchange of the time-based flags over every rank (`_due`)."""
 
     @property
     def leader(self) -> bool:
@@ -120,9 +133,12 @@ def build_model(spec: LaunchSpec) -> DeepSeekLM:
     return DeepSeekLM(dataclasses.replace(c, max_seq=max(c.max_seq, spec.seq_len)))
 
 
-def make_checkpointer(spec: LaunchSpec, node_name: str, key: bytes) -> Checkpointer:
+def make_checkpointer(
+    spec: LaunchSpec, node_name: str, key: bytes, state_dir: Path | None = None
+) -> Checkpointer:
     """Per-node checkpoints (see training.checkpoint). Two dedicated gloo groups: async
-    saves never block the training groups. Every rank creates both in the same order."""
+    saves never block the training groups. Every rank creates both in the same order.
+    `state_dir`: where the node's high-water record lives (the run dir; None: the root)."""
     region, node = spec.node(node_name)
     world = dist.new_group(backend=gloo.backend())
     spans = [
@@ -131,11 +147,25 @@ def make_checkpointer(spec: LaunchSpec, node_name: str, key: bytes) -> Checkpoin
     group = node_group(spans)
     root = node_root(spec.checkpoint.dir, spec.stack, node.name, region.name)
     return Checkpointer(
-        root, node.name, spec.run_id, key, spec.checkpoint.keep, group=group, world=world
+        root,
+        node.name,
+        spec.run_id,
+        key,
+        spec.checkpoint.keep,
+        group=group,
+        world=world,
+        state_dir=state_dir,
+        allow_rollback=os.environ.get(ALLOW_ROLLBACK_ENV) == "1",
     )
 
 
-def setup(spec: LaunchSpec, node_name: str, local_rank: int, events: Path | None) -> Job:
+def setup(
+    spec: LaunchSpec,
+    node_name: str,
+    local_rank: int,
+    events: Path | None,
+    run_dir: Path | None = None,
+) -> Job:
     rank, key, text = preflight(spec, node_name, local_rank)
     region, node = spec.node(node_name)
     # every gloo group listens on, and advertises, the node's private address only (a
@@ -147,8 +177,9 @@ def setup(spec: LaunchSpec, node_name: str, local_rank: int, events: Path | None
     # hosts start their workers as their agents finish, minutes apart on a big fleet;
     # the store waits that long for every rank to join (collectives keep 120 s)
     wait = timedelta(seconds=RENDEZVOUS_TIMEOUT_S)
-    store = agent_store(spec.world_size, wait) or dist.TCPStore(
-        spec.master_addr, spec.master_port, spec.world_size, rank == 0, timeout=wait
+    # the store listens on the master address only (TCPStore alone binds every interface)
+    store = agent_store(spec.world_size, wait) or rendezvous_store(
+        spec.master_addr, spec.master_port, spec.world_size, rank == 0, wait
     )
     backend = f"cpu:{glo},cuda:nccl" if device.type == "cuda" else glo
     dist.init_process_group(
@@ -156,13 +187,15 @@ def setup(spec: LaunchSpec, node_name: str, local_rank: int, events: Path | None
     )
     topo = Topology.of(spec, rank)
     groups = make_groups(topo, device)
-    ckpt = make_checkpointer(spec, node_name, key)
+    ckpt = make_checkpointer(spec, node_name, key, run_dir)
+    # a fresh session every start, and an epoch one past the highest any node recorded
+    session = agree(key, spec.run_id, ckpt.stored_epoch)
+    ckpt.start(session)
     torch.manual_seed(spec.seed)  # identical initial weights on every rank
     model = build_model(spec).to(device)
-    codec = Codec(spec.codec, key)
-    epoch = int(os.environ.get("GEOTRAIN_RESTART", "0"))
+    codec = Codec(spec.codec, key, session)
     sync = HierarchicalAllReduce(
-        topo, groups, codec, spec.run_id, epoch=epoch, error_feedback=spec.codec.error_feedback
+        topo, groups, codec, spec.run_id, error_feedback=spec.codec.error_feedback
     )
     job = Job(
         spec=spec,
@@ -176,7 +209,9 @@ def setup(spec: LaunchSpec, node_name: str, local_rank: int, events: Path | None
         metrics=RuntimeMetrics(region.name, node.name, rank),
         events=events,
         node=node.name,
+        control=Control(key, session, "steps"),
     )
+    job.metrics.reject(previous_rejects(events, rank))  # the count survives restarts
     ckpt.on_commit = lambda step: job.emit("committed", node=node.name, step=step)
     if spec.sync == "diloco":
         job.global_params = [p.detach().clone() for p in model.parameters()]
@@ -185,10 +220,36 @@ def setup(spec: LaunchSpec, node_name: str, local_rank: int, events: Path | None
             job.global_params, lr=spec.diloco.outer_lr, momentum=m, nesterov=m > 0
         )
     prime(job)
-    host = node.host if spec.metrics_bind == "private" else spec.metrics_bind
-    shared = len({n.host for r in spec.regions for n in r.nodes}) == 1
-    job.metrics.serve(host, metrics_port(spec.metrics_port, node.first_rank, local_rank, shared))
+    job.metrics.serve(*metrics_endpoint(spec, node, local_rank))
     return job
+
+
+# -- rejects --------------------------------------------------------------------------
+def previous_rejects(events: Path | None, rank: int) -> int:
+    """This rank's rejected-payload count so far in this run dir's event log (0: none)."""
+    from training.report import EventLog
+
+    if events is None:
+        return 0
+    log = EventLog(events)
+    log.poll()
+    return max((int(e["total"]) for e in log.of("rejected") if e.get("rank") == rank), default=0)
+
+
+def rejected(job: Job, e: PayloadRejected) -> None:
+    """Count a reject (metric and event log) before the worker exits with it. A hostile
+    one stops the job: the rank first keeps its metrics up long enough to be scraped."""
+    hostile = isinstance(e, HostileReject)
+    total = job.metrics.reject()
+    job.emit(
+        "rejected",
+        kind="hostile" if hostile else "transient",
+        reason=str(e)[:500],
+        total=total,
+        step=job.step,
+    )
+    if hostile and job.metrics.serving:
+        time.sleep(REJECT_LINGER_S)
 
 
 # -- state ----------------------------------------------------------------------------
@@ -379,18 +440,16 @@ def _due(job: Job) -> tuple[bool, bool]:
     ckpt_due = s % spec.checkpoint.interval_steps == 0 and not last
     if s % CONTROL_EVERY == 0:  # time-based triggers: agree across ranks (MAX)
         now = time.monotonic()
-        flags = torch.tensor(
-            [
-                float(
-                    spec.sync == "diloco"
-                    and spec.diloco.interval_minutes is not None
-                    and now - job.last_merge >= 60 * spec.diloco.interval_minutes
-                ),
-                float(now - job.last_save >= 60 * spec.checkpoint.interval_minutes),
-            ]
-        )
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        merge_due, ckpt_due = merge_due or bool(flags[0]), ckpt_due or bool(flags[1])
+        mine = [
+            spec.sync == "diloco"
+            and spec.diloco.interval_minutes is not None
+            and now - job.last_merge >= 60 * spec.diloco.interval_minutes,
+            now - job.last_save >= 60 * spec.checkpoint.interval_minutes,
+        ]
+        assert job.control is not None  # set by setup
+        views = job.control.gather(mine)  # every rank's flags, each verified
+        merge_due = merge_due or any(v[0] for v in views)
+        ckpt_due = ckpt_due or any(v[1] for v in views)
     return merge_due, ckpt_due
 
 
@@ -483,8 +542,10 @@ def report(job: Job, loss: float, step_s: float, sync_s: float, merged: bool) ->
 def run(
     spec: LaunchSpec, node: str, local_rank: int, events: Path | None, run_dir: Path | None
 ) -> None:
-    job = setup(spec, node, local_rank, events)
+    job = setup(spec, node, local_rank, events, run_dir)
     n_params = sum(p.numel() for p in job.model.parameters())
+    session = job.sync.codec.session
+    assert session is not None  # agreed in setup
     job.emit(
         "start",
         pid=os.getpid(),
@@ -492,12 +553,18 @@ def run(
         params=n_params,
         world=spec.world_size,
         regions=len(spec.regions),
+        epoch=session.epoch,
+        session=session.id.hex()[:16],
     )
-    resumed = resume(job)
-    if resumed is not None:
-        job.emit("resume", step=resumed)
-    while job.step < spec.steps:
-        train_step(job)
+    try:
+        resumed = resume(job)
+        if resumed is not None:
+            job.emit("resume", step=resumed)
+        while job.step < spec.steps:
+            train_step(job)
+    except PayloadRejected as e:
+        rejected(job, e)
+        raise
     staged(job)
     job.ckpt.wait()
     if job.topo.rank == 0 and run_dir is not None:

@@ -171,6 +171,19 @@ def alert_rules(plan: Plan) -> list[AlertRule]:
             "Loss is NaN on {{ $labels.node }} ({{ $labels.region }}).",
             mn.LOSS,
         ),
+        # a rejecting rank exits (a transient reject restarts it with the count restored
+        # from the event log; a hostile one stops the job after one more scrape), so any
+        # increase at all is the signal
+        AlertRule(
+            "GeotrainPayloadsRejected",
+            f"sum by (region) (increase({mn.REJECTED}[10m])) > 0",
+            "0m",
+            "critical",
+            "Region {{ $labels.region }} refused cross-region payloads or control messages "
+            "(tampered, replayed or corrupted traffic); see the rejected events in the run's "
+            "event log.",
+            f"sum by (region) ({mn.REJECTED})",
+        ),
     ]
 
 
@@ -782,7 +795,7 @@ def _region_series(plan: Plan, region: str, run: _Run, fault: _Fault | None) -> 
     f = fault.alert if fault else ""
     at = fault.at * 60 if fault else math.inf
     cols: dict[str, list[float | None]] = {
-        k: [] for k in ("up", "last", "tp", "age", "gpu", "loss")
+        k: [] for k in ("up", "last", "tp", "age", "gpu", "loss", "rejected")
     }
     last_ckpt = 0.0
     stop = at if f == "GeotrainSyncStalled" else math.inf
@@ -803,6 +816,7 @@ def _region_series(plan: Plan, region: str, run: _Run, fault: _Fault | None) -> 
         low = (f == "GeotrainGpuUtilLow" and t >= at) or merging
         cols["gpu"].append(5.0 if low else 85.0)
         cols["loss"].append(math.nan if f == "GeotrainLossNaN" and t >= at else 3.0 - t / 1e5)
+        cols["rejected"].append(1 if f == "GeotrainPayloadsRejected" and t >= at else 0)
     return [
         (f"up{{{lab}}}", cols["up"]),
         (f"{mn.LAST_SYNC}{{{lab}}}", cols["last"]),
@@ -811,6 +825,7 @@ def _region_series(plan: Plan, region: str, run: _Run, fault: _Fault | None) -> 
         (f"{mn.CHECKPOINT_AGE}{{{lab}}}", cols["age"]),
         (f"{mn.GPU_UTIL}{{{gpu_lab}}}", cols["gpu"]),
         (f"{mn.LOSS}{{{lab}}}", cols["loss"]),
+        (f"{mn.REJECTED}{{{lab}}}", cols["rejected"]),
     ]
 
 
