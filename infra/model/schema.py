@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 NAME_PATTERN = r"^[a-z][a-z0-9-]{0,30}[a-z0-9]$"
 Jurisdiction = Literal["CN", "EU", "US", "UK", "JP", "KR", "SG", "IN", "CA", "AU", "BR", "CH"]
-PoolKind = Literal["local", "lab", "ssh", "kubernetes"]
+PoolKind = Literal["local", "lab", "ssh", "kubernetes", "aws", "alicloud", "gcp"]
 SyncMode = Literal["allreduce", "diloco"]
 Quantize = Literal["none", "fp16", "bf16", "int8", "int4"]
 Cipher = Literal["sm4-gcm", "aes-gcm", "none"]
@@ -129,9 +129,42 @@ class KubernetesSettings(Strict):
     """Namespace of the GPU Operator's dcgm-exporter Service (scraped when GPUs are used)."""
 
 
+class CloudSettings(Strict):
+    """Settings for kind aws, gcp or alicloud (tables: infra.model.clouds)."""
+
+    region: str | None = None
+    """The cloud's region for this geotrain region, e.g. us-west-1, europe-west3, cn-beijing
+    (required): the region gets its own explicit provider for it, never the ambient one."""
+    zone: str | None = None
+    """Zone of every node (default: gcp and alicloud the first zone geotrain's table lists
+    for the instance type; aws one AWS picks, so set an AZ that offers the type)."""
+    project: str | None = None
+    """gcp: the project to create everything in (required for gcp; no fall-back to gcloud's
+    default project)."""
+    image: str | None = None
+    """Boot image, CUDA-ready (default: the cloud's in infra.model.clouds). aws: an AMI id or
+    ssm:<public parameter>; gcp: an image or image family path; alicloud: an image id or a
+    name pattern (^...) matched against the system images."""
+    image_disk_gb: int | None = Field(default=None, ge=1, le=16384)
+    """Root disk the image needs, for an image not in geotrain's table (disk_gb is checked
+    against it)."""
+    disk_gb: int = Field(default=200, ge=1, le=16384)
+    """Root disk of every node in GiB (the runtime venv, checkpoints and data live there)."""
+    spot: bool = False
+    """Spot/preemptible instances instead of on-demand (cheaper; a reclaimed node drops its
+    region out of the quorum until it returns)."""
+    placement: bool = True
+    """Pack the region's nodes close together: an AWS cluster placement group, a GCP compact
+    placement policy, an Alibaba low-latency deployment set."""
+    peering: bool = False
+    """Native cross-region VPC peering with linked regions of the same cloud that also set it
+    (aws, alicloud); the WireGuard overlay stays on top."""
+
+
 class Pool(Strict):
     kind: PoolKind
-    """Backend: local processes, lab namespaces, ssh hosts or a Kubernetes cluster."""
+    """Backend: local processes, lab namespaces, ssh hosts, a Kubernetes cluster, or cloud
+    instances (aws, alicloud, gcp) that become ssh hosts."""
     nodes: list[Node] = Field(min_length=1)
     """The region's nodes; ranks follow this order."""
     gateway: str | None = None
@@ -140,6 +173,8 @@ class Pool(Strict):
     """Settings for kind=ssh."""
     kubernetes: KubernetesSettings = KubernetesSettings()
     """Settings for kind=kubernetes."""
+    cloud: CloudSettings = CloudSettings()
+    """Settings for kind aws, gcp and alicloud."""
 
 
 class Region(Strict):

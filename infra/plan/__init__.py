@@ -12,6 +12,7 @@ import json
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from infra.model.clouds import CLOUD_GATEWAY_HOST, CLOUD_KINDS
 from infra.model.gpus import GPU_TYPES
 from infra.model.schema import Link, Monitoring, Network, Policy, Pool, StackModel, Training
 from infra.plan.names import GATEWAY_HOST_INDEX, WORKER_HOST_OFFSET, ifname, lab_netns
@@ -176,16 +177,20 @@ def build_plan(m: StackModel) -> Plan:
         nodes = []
         subnet = r.subnet
         gw_name = r.pool.gateway or r.pool.nodes[0].name
+        cloud = r.pool.kind in CLOUD_KINDS
+        # clouds keep a subnet's first addresses for themselves (clouds.py)
+        gw_host = CLOUD_GATEWAY_HOST if cloud else GATEWAY_HOST_INDEX
         for j, n in enumerate(r.pool.nodes):
             is_gw = n.name == gw_name
-            host = GATEWAY_HOST_INDEX if is_gw else WORKER_HOST_OFFSET + j
+            host = gw_host if is_gw else WORKER_HOST_OFFSET + j
             private = "127.0.0.1" if r.pool.kind == "local" else str(subnet[host])
             nodes.append(
                 PlanNode(
                     name=n.name,
                     region=r.name,
                     kind=r.pool.kind,
-                    address=str(n.address),
+                    # a cloud instance's address exists only once it is made
+                    address="" if cloud else str(n.address),
                     private_ip=private,
                     gpu_type=n.gpu_type,
                     gpus=n.gpus,
@@ -206,7 +211,7 @@ def build_plan(m: StackModel) -> Plan:
                 kind=r.pool.kind,
                 nodes=tuple(nodes),
                 gateway=gateway,
-                router_id=str(subnet[GATEWAY_HOST_INDEX]),
+                router_id=str(subnet[gw_host]),
                 pool=r.pool,
             )
         )
