@@ -823,6 +823,13 @@ def _cloud_node(m: StackModel, source: str, i: int, j: int) -> None:
 
 def _peering(m: StackModel, source: str, i: int) -> None:
     r = m.regions[i]
+    if r.pool.kind == "gcp":
+        raise _err(
+            source,
+            f"regions[{i}].pool.cloud.peering",
+            "not on GCP: peered GCP networks exchange subnet routes, so the workers' traffic "
+            "would take the peering beside the WireGuard overlay instead of under it; drop it",
+        )
     peers = [
         o.name
         for link in m.network.links
