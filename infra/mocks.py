@@ -23,6 +23,29 @@ from infra.model.schema import StackModel
 
 COMMAND_TYPES = ("command:local:Command", "command:remote:Command")
 RANDOM_BYTES = "random:index/randomBytes:RandomBytes"
+CLOUD_IDS = {
+    "aws:ec2/vpc:Vpc": "vpc",
+    "aws:ec2/subnet:Subnet": "subnet",
+    "aws:ec2/internetGateway:InternetGateway": "igw",
+    "aws:ec2/routeTable:RouteTable": "rtb",
+    "aws:ec2/securityGroup:SecurityGroup": "sg",
+    "aws:vpc/securityGroupIngressRule:SecurityGroupIngressRule": "sgr",
+    "aws:vpc/securityGroupEgressRule:SecurityGroupEgressRule": "sgr",
+    "aws:ec2/eip:Eip": "eipalloc",
+    "aws:ec2/instance:Instance": "i",
+    "aws:ec2/vpcPeeringConnection:VpcPeeringConnection": "pcx",
+    "alicloud:vpc/network:Network": "vpc",
+    "alicloud:vpc/switch:Switch": "vsw",
+    "alicloud:ecs/securityGroup:SecurityGroup": "sg",
+    "alicloud:ecs/eipAddress:EipAddress": "eip",
+    "alicloud:ecs/instance:Instance": "i",
+    "alicloud:ecs/ecsDeploymentSet:EcsDeploymentSet": "ds",
+    "alicloud:vpc/peerConnection:PeerConnection": "pcc",
+}
+"""Cloud resource types -> the prefix of the ids their provider returns (vpc-0123...)."""
+MOCK_PUBLIC_NETS = {"aws": "203.0.113", "gcp": "198.51.100", "alicloud": "192.0.2"}
+"""Stand-in public IPs per cloud (RFC 5737 documentation ranges: never routed), host .10
+and up, so nothing here ever collides with this machine's 192.0.2.2."""
 
 
 @dataclass
@@ -57,10 +80,75 @@ class GeotrainMocks(Mocks):
         if args.typ == RANDOM_BYTES:
             # a stand-in run key (deterministic, so graphs and checks are repeatable)
             state["hex"] = hashlib.sha256(args.name.encode()).hexdigest()
-        return f"{args.name}-id", state
+        cloud = args.typ.split(":", 1)[0]
+        if cloud not in MOCK_PUBLIC_NETS:
+            return f"{args.name}-id", state
+        # cloud resources: ids, addresses and links as the providers return them,
+        # derived from the name so every run gives the same graph
+        digest = hashlib.sha256(args.name.encode()).hexdigest()
+        ip = f"{MOCK_PUBLIC_NETS[cloud]}.{10 + int(digest[:4], 16) % 240}"
+        rid = f"{CLOUD_IDS[args.typ]}-{digest[:17]}" if args.typ in CLOUD_IDS else None
+        if args.typ.startswith("pulumi:providers:"):
+            self.regions[f"{args.name}-id"] = str(state.get("region", ""))
+        elif args.typ == "aws:ec2/instance:Instance":
+            state.update(
+                publicIp=ip if state.get("associatePublicIpAddress") else "",
+                privateIp=state.get("privateIp", ""),
+                primaryNetworkInterfaceId=f"eni-{digest[:17]}",
+                arn=f"arn:aws:ec2:::instance/{rid}",
+            )
+        elif args.typ == "aws:ec2/eip:Eip":
+            state.update(publicIp=ip, allocationId=rid)
+        elif args.typ == "aws:ec2/vpc:Vpc":
+            state["mainRouteTableId"] = f"rtb-{digest[:17]}"
+        elif args.typ == "alicloud:vpc/network:Network":
+            state["routeTableId"] = f"vtb-{digest[:17]}"
+        elif args.typ == "alicloud:ecs/eipAddress:EipAddress":
+            state["ipAddress"] = ip
+        elif args.typ == "alicloud:ecs/instance:Instance":
+            state["publicIp"] = ip if state.get("internetMaxBandwidthOut") else ""
+        elif args.typ == "gcp:compute/address:Address":
+            state["address"] = ip
+        elif args.typ == "gcp:compute/instance:Instance":
+            nics = state.get("networkInterfaces") or [{}]
+            for nic in nics:
+                for ac in nic.get("accessConfigs") or []:
+                    ac["natIp"] = ac.get("natIp") or ip
+            state.update(networkInterfaces=nics, instanceId=str(int(digest[:15], 16)))
+        if args.typ.startswith("gcp:"):
+            rid = f"projects/mock/{args.typ.split(':')[-1].lower()}s/{args.name}"
+            state["selfLink"] = f"https://www.googleapis.com/compute/v1/{rid}"
+        return rid or f"{args.name}-id", state
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.regions: dict[str, str] = {}
+        """Provider id -> its cloud region, for data sources asked through it."""
 
     def call(self, args: Any) -> tuple[dict[str, Any], list[tuple[str, str]] | None]:
-        return {}, None
+        # the data sources the cloud backends read at deploy time (failures: none; the
+        # mock monitor iterates them, so never None)
+        region = self.regions.get(str(args.provider).rsplit("::", 1)[-1], "")
+        a = args.args
+        if args.token == "aws:ssm/getParameter:getParameter":
+            ami = "ami-" + hashlib.sha256(f"{region}{a['name']}".encode()).hexdigest()[:17]
+            return {"id": a["name"], "name": a["name"], "type": "String", "value": ami}, []
+        if args.token == "aws:ec2/getInstanceTypeOfferings:getInstanceTypeOfferings":
+            types = [v for f in a.get("filters", []) for v in f["values"]]
+            zones = [f"{a.get('region') or region}{z}" for z in "ab"]
+            pairs = [(z, t) for z in zones for t in types]
+            return {
+                "id": region,
+                "locations": [z for z, _ in pairs],
+                "instanceTypes": [t for _, t in pairs],
+                "locationTypes": ["availability-zone"] * len(pairs),
+            }, []
+        if args.token == "alicloud:index/getZones:getZones":
+            return {"id": region, "ids": [f"{region}-h", f"{region}-i"], "zones": []}, []
+        if args.token == "alicloud:ecs/getImages:getImages":
+            image = "ubuntu_24_04_x64_20G_alibase_20250101.vhd"
+            return {"id": region, "ids": [image], "images": []}, []
+        return {}, []
 
 
 class RecordingMonitor(MockMonitor):

@@ -103,6 +103,8 @@ class Backend(Protocol):
 
 
 def backend_for(region: PlanRegion) -> Backend:
+    import importlib
+
     from infra.backends import kubernetes, lab, local, ssh
 
     table: dict[str, Backend] = {
@@ -111,6 +113,11 @@ def backend_for(region: PlanRegion) -> Backend:
         "ssh": ssh.SshBackend(),
         "kubernetes": kubernetes.KubernetesBackend(),
     }
+    if region.kind in ("aws", "alicloud", "gcp"):
+        # imported only by stacks that use them: each cloud SDK takes ~1 s to import
+        module = importlib.import_module(f"infra.backends.{region.kind}")
+        backend: Backend = module.backend()
+        return backend
     return table[region.kind]
 
 
