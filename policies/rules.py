@@ -24,6 +24,7 @@ from pulumi_policy import (
 )
 
 from infra import tokens
+from infra.model.clouds import instance_type_gpus, taggable_types
 from infra.model.gpus import GPU_TYPES
 from infra.model.schema import Policy
 
@@ -55,6 +56,7 @@ def config_from_policy_settings(p: Mapping[str, Any]) -> dict[str, dict[str, Any
         },
         "required-tags": {"tags": list(p["required_tags"])},
         "network-integrity": {},
+        "admin-ssh-only": {},
     }
 
 
@@ -175,14 +177,130 @@ def no_public_exposure(args: ResourceValidationArgs, report: Report) -> None:
                 "loadBalancerSourceRanges exposes it; use ClusterIP or add an allow-list",
                 None,
             )
+    for rule in ingress_rules(args.resource_type, args.props):
+        why = _open(rule)
+        if why:
+            report(
+                f"[no-public-exposure] {_where(args)}: admits {_describe(rule)}: {why}; from "
+                "the internet open only WireGuard (udp, its port) to each peer gateway's /32 "
+                "and SSH (tcp 22) to geotrain:network.admin_cidrs",
+                None,
+            )
+
+
+# cloud firewalls, as (protocol, (first, last) port or None for all, source) per source
+Ingress = tuple[str, tuple[int, int] | None, str]
+EVERYWHERE = ("0.0.0.0/0", "::/0")
+PRIVATE = [
+    ipaddress.ip_network(n)
+    for n in ("10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "100.64.0.0/10")
+]
+"""Sources that are not the internet: RFC 1918 and carrier-grade NAT (RFC 6598)."""
+
+
+def ingress_rules(type_: str, props: Mapping[str, Any]) -> list[Ingress]:
+    """The inbound allowances of a cloud firewall resource (AWS security groups and their
+    rules, GCP firewalls, Alibaba security group rules), from its inputs; [] for others.
+    Values still unknown (a peer's address during a preview) are skipped."""
+    out: list[Ingress] = []
+
+    def add(proto: Any, ports: tuple[int, int] | None, sources: Any) -> None:
+        proto = "all" if str(proto) in ("-1", "all") else str(proto).lower()
+        for src in sources or []:
+            if isinstance(src, str) and src:
+                out.append((proto, None if proto == "all" else ports, src))
+
+    def span(a: Any, b: Any) -> tuple[int, int] | None:
+        return None if a is None or int(a) < 0 else (int(a), int(b if b is not None else a))
+
+    if type_ == "aws:vpc/securityGroupIngressRule:SecurityGroupIngressRule":
+        add(
+            props.get("ipProtocol"),
+            span(props.get("fromPort"), props.get("toPort")),
+            [props.get("cidrIpv4"), props.get("cidrIpv6")],
+        )
+    elif type_ == "aws:ec2/securityGroupRule:SecurityGroupRule" and props.get("type") == "ingress":
+        add(
+            props.get("protocol"),
+            span(props.get("fromPort"), props.get("toPort")),
+            [*(props.get("cidrBlocks") or []), *(props.get("ipv6CidrBlocks") or [])],
+        )
+    elif type_ == "aws:ec2/securityGroup:SecurityGroup":
+        for r in props.get("ingress") or []:
+            add(
+                r.get("protocol"),
+                span(r.get("fromPort"), r.get("toPort")),
+                [*(r.get("cidrBlocks") or []), *(r.get("ipv6CidrBlocks") or [])],
+            )
+    elif (
+        type_ == "gcp:compute/firewall:Firewall" and props.get("direction", "INGRESS") == "INGRESS"
+    ):
+        for a in props.get("allows") or []:
+            for p in a.get("ports") or [None]:
+                lo, _, hi = str(p).partition("-") if p is not None else ("", "", "")
+                add(
+                    a.get("protocol"),
+                    span(lo, hi or lo) if p is not None else None,
+                    props.get("sourceRanges"),
+                )
+    elif (
+        type_ == "alicloud:ecs/securityGroupRule:SecurityGroupRule"
+        and props.get("type") == "ingress"
+    ):
+        lo, _, hi = str(props.get("portRange") or "-1/-1").partition("/")
+        add(props.get("ipProtocol"), span(lo, hi), [props.get("cidrIp"), props.get("ipv6CidrIp")])
+    return out
+
+
+def is_internet(src: str) -> bool:
+    """A source outside the private ranges (an unparsable one counts as the internet)."""
+    try:
+        net = ipaddress.ip_network(src, strict=False)
+    except ValueError:
+        return True
+    return not any(net.version == p.version and net.subnet_of(p) for p in PRIVATE)  # type: ignore[arg-type]
+
+
+def _open(rule: Ingress) -> str | None:
+    """Why an inbound allowance exposes hosts to the internet, or None."""
+    proto, ports, src = rule
+    if src in EVERYWHERE:
+        return f"open to the whole internet ({src})"
+    if not is_internet(src):
+        return None
+    if proto == "tcp" and ports == (22, 22):
+        return None  # SSH; that it comes from admin_cidrs is the admin-ssh-only rule's
+    if proto == "udp" and ports and ports[0] == ports[1] and src.endswith("/32"):
+        return None  # one WireGuard port to one peer gateway
+    return "only WireGuard from one peer (udp, one port, a /32) may come from the internet"
+
+
+def _describe(rule: Ingress) -> str:
+    proto, ports, src = rule
+    if proto == "all":
+        return f"every protocol and port from {src}"
+    where = "every port" if ports is None else f"port {ports[0]}"
+    if ports and ports[1] != ports[0]:
+        where += f"-{ports[1]}"
+    return f"{proto} {where} from {src}"
 
 
 # -- allowed GPU types and regions ----------------------------------------------------
+INSTANCE_TYPE_INPUTS = {
+    "aws:ec2/instance:Instance": "instanceType",
+    "alicloud:ecs/instance:Instance": "instanceType",
+    "gcp:compute/instance:Instance": "machineType",
+}
+"""Cloud instance resources -> the input that names their instance type."""
+
+
 def allowed_gpu_types_and_regions(args: ResourceValidationArgs, report: Report) -> None:
+    cfg = _cfg("allowed-gpu-types-and-regions", args)
+    if args.resource_type in INSTANCE_TYPE_INPUTS:
+        _instance_type(args, cfg["allowedGpuTypes"], report)
     f = _facts(args, POOL)
     if not f:
         return
-    cfg = _cfg("allowed-gpu-types-and-regions", args)
     regions, gpus = cfg["allowedRegions"], cfg["allowedGpuTypes"]
     if regions is not None and f["region"] not in regions:
         report(
@@ -199,6 +317,26 @@ def allowed_gpu_types_and_regions(args: ResourceValidationArgs, report: Report) 
             )
 
 
+def _instance_type(args: ResourceValidationArgs, allowed: list[str] | None, report: Report) -> None:
+    """A cloud instance, judged by what it is: its type's GPUs (infra/model/clouds.py)."""
+    name = args.props.get(INSTANCE_TYPE_INPUTS[args.resource_type])
+    if not isinstance(name, str):
+        return  # unknown during a preview
+    gpus = instance_type_gpus(name.rsplit("/", 1)[-1])
+    if gpus is None:
+        report(
+            f"[allowed-gpu-types-and-regions] {_where(args)}: instance type {name} is not in "
+            "geotrain's instance table (infra/model/clouds.py); use a stack's gpu_type instead",
+            None,
+        )
+    elif allowed is not None and gpus[0] not in allowed:
+        report(
+            f"[allowed-gpu-types-and-regions] {_where(args)}: {name} carries {gpus[1]} x "
+            f"{gpus[0]}; allowed: {', '.join(allowed)}",
+            None,
+        )
+
+
 # -- budget ---------------------------------------------------------------------------
 def budget_cap(args: StackValidationArgs, report: Report) -> None:
     cfg = _cfg("budget-cap", args)
@@ -207,7 +345,7 @@ def budget_cap(args: StackValidationArgs, report: Report) -> None:
         n for r in args.resources if r.resource_type == POOL for n in r.props["facts"]["nodes"]
     ]
     count = sum(int(n["gpus"]) for n in nodes if n["gpu_type"] != "cpu")
-    cost = sum(int(n["gpus"]) * float(prices.get(n["gpu_type"], 0.0)) for n in nodes)
+    cost = sum(_node_price(n, prices, cfg["gpuPrices"]) for n in nodes)
     if cfg["maxGpus"] is not None and count > cfg["maxGpus"]:
         report(
             f"[budget-cap] stack: {count} GPUs exceed the cap of {int(cfg['maxGpus'])}; "
@@ -220,6 +358,18 @@ def budget_cap(args: StackValidationArgs, report: Report) -> None:
             f"${float(cfg['maxUsdPerHour']):,.2f}/hour; use fewer or cheaper GPUs",
             None,
         )
+
+
+def _node_price(
+    n: Mapping[str, Any], prices: Mapping[str, float], override: Mapping[str, Any]
+) -> float:
+    """USD/hour of a node: a gpu_prices override of its GPU type, else its cloud instance's
+    list price in its cloud region (infra/model/clouds.py: on-demand, also for spot, so the
+    cap holds whatever spot costs), else its GPUs at the GPU table's price."""
+    gpus, gpu = int(n["gpus"]), n["gpu_type"]
+    if gpu not in override and n.get("usd_per_hour") is not None:
+        return float(n["usd_per_hour"])
+    return gpus * float(prices.get(gpu, 0.0))
 
 
 # -- checkpoints ----------------------------------------------------------------------
@@ -246,6 +396,8 @@ def checkpoint_cadence(args: ResourceValidationArgs, report: Report) -> None:
 
 # -- tags -----------------------------------------------------------------------------
 TAGGED = (POOL, OVERLAY, ROUTING, MONITORING, TRAINING)
+CLOUD_TAGGED = taggable_types()
+"""Cloud resource types geotrain makes that take tags -> their tags/labels input."""
 
 
 def required_tags(args: ResourceValidationArgs, report: Report) -> None:
@@ -258,6 +410,10 @@ def required_tags(args: ResourceValidationArgs, report: Report) -> None:
     elif args.resource_type.startswith("kubernetes:") and "metadata" in args.props:
         labels = (args.props.get("metadata") or {}).get("labels") or {}
         have = {k.removeprefix("geotrain.io/"): v for k, v in labels.items()}
+        need.append("jurisdiction")
+    elif args.resource_type in CLOUD_TAGGED:
+        # the resource's own tags (AWS, Alibaba) or labels (GCP), as the cloud stores them
+        have = args.props.get(CLOUD_TAGGED[args.resource_type]) or {}
         need.append("jurisdiction")
     else:
         return  # commands and providers carry no tags
@@ -318,6 +474,33 @@ def _connected(nodes: list[str], links: list[tuple[str, ...]]) -> bool:
     return reach == set(nodes)
 
 
+# -- admin SSH (stack) ----------------------------------------------------------------
+def admin_ssh_only(args: StackValidationArgs, report: Report) -> None:
+    """SSH from the internet into a cloud region only from the stack's admin networks
+    (the cloud pools' facts carry network.admin_cidrs)."""
+    admin = {
+        c
+        for r in args.resources
+        if r.resource_type == POOL and r.props["facts"].get("cloud")
+        for c in r.props["facts"]["cloud"]["admin_cidrs"]
+    }
+    nets = [ipaddress.ip_network(c) for c in admin]
+    for r in args.resources:
+        for proto, ports, src in ingress_rules(r.resource_type, r.props):
+            if proto not in ("tcp", "all") or not is_internet(src) or src in EVERYWHERE:
+                continue  # 0.0.0.0/0 is no-public-exposure's
+            if ports is not None and not ports[0] <= 22 <= ports[1]:
+                continue
+            net = ipaddress.ip_network(src, strict=False)
+            if not any(net.version == a.version and net.subnet_of(a) for a in nets):  # type: ignore[arg-type]
+                report(
+                    f"[admin-ssh-only] {r.resource_type} '{r.name}': admits SSH from {src}, "
+                    f"outside geotrain:network.admin_cidrs ({', '.join(sorted(admin)) or 'none'}); "
+                    "admit SSH only from those networks",
+                    r.urn,
+                )
+
+
 # -- the policies ---------------------------------------------------------------------
 def _schema(name: str) -> PolicyConfigSchema:
     types: dict[type, dict[str, Any]] = {
@@ -370,13 +553,14 @@ RESOURCE_POLICIES = [
     _resource(
         "no-public-exposure",
         "Metrics, Prometheus, Grafana and rendezvous endpoints "
-        "never bind public addresses; no unrestricted LoadBalancer/NodePort.",
+        "never bind public addresses; no unrestricted LoadBalancer/NodePort; cloud "
+        "firewalls admit from the internet only WireGuard from peer gateways and SSH.",
         no_public_exposure,
         Severity.HIGH,
     ),
     _resource(
         "allowed-gpu-types-and-regions",
-        "Pools use only allowed GPU types and regions.",
+        "Pools and cloud instances use only allowed GPU types and regions.",
         allowed_gpu_types_and_regions,
         Severity.MEDIUM,
     ),
@@ -395,8 +579,15 @@ RESOURCE_POLICIES = [
 ]
 STACK_POLICIES = [
     _stack(
+        "admin-ssh-only",
+        "Cloud firewalls admit SSH from the internet only from geotrain:network.admin_cidrs.",
+        admin_ssh_only,
+        Severity.HIGH,
+    ),
+    _stack(
         "budget-cap",
-        "Total GPUs and estimated hourly cost stay under the caps.",
+        "Total GPUs and estimated hourly cost (cloud instances at their regional list "
+        "price) stay under the caps.",
         budget_cap,
         Severity.HIGH,
     ),

@@ -53,7 +53,7 @@ def _training(**change: Any) -> dict[str, Any]:
 
 
 def test_every_rule_is_named_described_and_mandatory_by_default() -> None:
-    assert len(POLICY) == 8
+    assert len(POLICY) == 9
     for p in ALL:
         assert p.name == p.name.lower() and " " not in p.name
         assert p.description and p.severity is not None
@@ -247,3 +247,154 @@ def test_check_emits_the_pack_config_for_the_real_cli(tmp_path: Path) -> None:
     assert r.exit_code == 0, r.output
     cfg = json.loads(out.read_text())
     assert cfg["budget-cap"]["maxUsdPerHour"] == 1200
+
+
+# -- cloud pools (#14): the real resource types' inputs ---------------------------------
+CLOUD = build_plan(load_stack("global-cloud"))
+SG_RULE = "aws:vpc/securityGroupIngressRule:SecurityGroupIngressRule"
+GCP_FW = "gcp:compute/firewall:Firewall"
+ALI_RULE = "alicloud:ecs/securityGroupRule:SecurityGroupRule"
+
+
+def _sg(proto: str, port: int, cidr: str) -> dict[str, Any]:
+    return {"ipProtocol": proto, "fromPort": float(port), "toPort": float(port), "cidrIpv4": cidr}
+
+
+@pytest.mark.parametrize(
+    ("type_", "props"),
+    [
+        (SG_RULE, _sg("tcp", 22, "198.51.100.240/28")),  # admin SSH
+        (SG_RULE, _sg("udp", 51821, "203.0.113.7/32")),  # WireGuard from one peer
+        (SG_RULE, {"ipProtocol": "-1", "cidrIpv4": "10.42.0.0/16"}),  # the overlay
+        (
+            GCP_FW,
+            {"sourceRanges": ["192.0.2.9/32"], "allows": [{"protocol": "udp", "ports": ["51822"]}]},
+        ),
+        (
+            ALI_RULE,
+            {
+                "type": "ingress",
+                "ipProtocol": "tcp",
+                "portRange": "22/22",
+                "cidrIp": "198.51.100.240/28",
+            },
+        ),
+        (
+            ALI_RULE,
+            {"type": "egress", "ipProtocol": "all", "portRange": "-1/-1", "cidrIp": "0.0.0.0/0"},
+        ),
+    ],
+)
+def test_exposure_passes_cloud_firewalls_open_only_to_peers_admins_and_the_overlay(
+    type_: str, props: dict[str, Any]
+) -> None:
+    assert _validate("no-public-exposure", type_, props) == []
+
+
+@pytest.mark.parametrize(
+    ("type_", "props", "words"),
+    [
+        (
+            SG_RULE,
+            _sg("tcp", 22, "0.0.0.0/0"),
+            "tcp port 22 from 0.0.0.0/0: open to the whole internet",
+        ),
+        (
+            SG_RULE,
+            {"ipProtocol": "-1", "cidrIpv4": "203.0.113.0/24"},
+            "every protocol and port from 203.0.113.0/24",
+        ),
+        (
+            GCP_FW,
+            {
+                "sourceRanges": ["0.0.0.0/0"],
+                "allows": [{"protocol": "udp", "ports": ["51820-51830"]}],
+            },
+            "open to the whole internet",
+        ),
+        (
+            GCP_FW,
+            {
+                "sourceRanges": ["198.51.100.0/24"],
+                "allows": [{"protocol": "tcp", "ports": ["3000"]}],
+            },
+            "tcp port 3000",
+        ),
+        (
+            ALI_RULE,
+            {
+                "type": "ingress",
+                "ipProtocol": "udp",
+                "portRange": "51820/51820",
+                "cidrIp": "192.0.2.0/24",
+            },
+            "only WireGuard from one peer",
+        ),
+    ],
+)
+def test_exposure_fails_cloud_firewalls_open_to_the_internet(
+    type_: str, props: dict[str, Any], words: str
+) -> None:
+    [msg] = _validate("no-public-exposure", type_, props)
+    assert msg.startswith("[no-public-exposure]") and words in msg, msg
+
+
+def test_allowed_gpu_types_judge_cloud_instances_by_their_type() -> None:
+    rule, aws = "allowed-gpu-types-and-regions", "aws:ec2/instance:Instance"
+    assert (
+        _validate(rule, aws, {"instanceType": "p4de.24xlarge"}, {"allowedGpuTypes": ["A100-80GB"]})
+        == []
+    )
+    [msg] = _validate(
+        rule, aws, {"instanceType": "p4de.24xlarge"}, {"allowedGpuTypes": ["H100-80GB"]}
+    )
+    assert "p4de.24xlarge carries 8 x A100-80GB; allowed: H100-80GB" in msg
+    gcp = _validate(rule, "gcp:compute/instance:Instance", {"machineType": "a3-highgpu-8g"})
+    assert gcp == []
+    [msg] = _validate(rule, "alicloud:ecs/instance:Instance", {"instanceType": "ecs.g7.large"})
+    assert "not in geotrain's instance table" in msg
+
+
+def test_required_tags_judge_cloud_resources_own_tags_and_labels() -> None:
+    tags = {"owner": "ml-platform", "cost-centre": "research-llm", "jurisdiction": "US"}
+    assert _validate("required-tags", "aws:ec2/vpc:Vpc", {"tags": tags}) == []
+    labels = {k: v.lower() for k, v in tags.items() if k != "jurisdiction"}
+    [msg] = _validate("required-tags", "gcp:compute/instance:Instance", {"labels": labels})
+    assert "missing tag(s) jurisdiction" in msg
+    assert _validate("required-tags", "alicloud:vpc/network:Network", {})
+    # types that take no tags (GCP networks, route entries) are not judged
+    assert _validate("required-tags", "gcp:compute/network:Network", {}) == []
+
+
+def _cloud_pools() -> list[tuple[str, dict[str, Any]]]:
+    return [(POOL, {"facts": pool_facts(CLOUD, r)}) for r in CLOUD.regions]
+
+
+def test_budget_prices_cloud_nodes_at_their_instance_in_their_region() -> None:
+    # 2 x ecs.ebmgn7e.32xlarge 32.00 + 2 x a3-highgpu-8g (europe-west3) 104.13
+    # + 2 x p5.48xlarge (us-west-1) 68.80 = 409.86
+    assert _validate_stack("budget-cap", _cloud_pools(), {"maxUsdPerHour": 410}) == []
+    [msg] = _validate_stack("budget-cap", _cloud_pools(), {"maxUsdPerHour": 400})
+    assert "$409.86/hour exceeds the cap of $400.00/hour" in msg
+    # a gpu_prices override of a GPU type wins over the instance table: 16 x 1.00 + 272.00
+    [msg] = _validate_stack(
+        "budget-cap", _cloud_pools(), {"maxUsdPerHour": 200, "gpuPrices": {"A100-80GB": 1.0}}
+    )
+    assert "$361.86/hour" in msg
+
+
+def test_admin_ssh_only_passes_ssh_from_admin_and_fails_ssh_from_elsewhere() -> None:
+    ok = [*_cloud_pools(), (SG_RULE, _sg("tcp", 22, "198.51.100.240/28"))]
+    assert _validate_stack("admin-ssh-only", ok) == []
+    bad = [
+        *_cloud_pools(),
+        (
+            GCP_FW,
+            {"sourceRanges": ["8.8.8.0/24"], "allows": [{"protocol": "tcp", "ports": ["22"]}]},
+        ),
+    ]
+    [msg] = _validate_stack("admin-ssh-only", bad)
+    assert (
+        "admits SSH from 8.8.8.0/24, outside geotrain:network.admin_cidrs (198.51.100.240/28)"
+        in msg
+    )
