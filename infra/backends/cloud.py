@@ -23,7 +23,6 @@ wrote (WireGuard endpoints, firewall peers).
 
 from __future__ import annotations
 
-import ipaddress
 import json
 from dataclasses import dataclass, field
 from typing import Any, Protocol, cast
@@ -257,13 +256,6 @@ def wireguard_rules(ctx: BackendContext, region: PlanRegion) -> list[Rule]:
         cidr = pulumi.Output.concat(ip, "/32")
         out.append(Rule(f"wg-{end.peer}", "udp", (end.port, end.port), (cidr,), True))
     return out
-
-
-def is_internet(cidr: str) -> bool:
-    """A source outside the private ranges (RFC 1918, CGNAT): anything on the internet."""
-    net = ipaddress.ip_network(cidr, strict=False)
-    private = ("10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "100.64.0.0/10")
-    return not any(net.subnet_of(ipaddress.ip_network(p)) for p in private)  # type: ignore[arg-type]
 
 
 def cloud_init(region: PlanRegion) -> pulumi.Output[str]:
