@@ -161,8 +161,10 @@ class CloudBackend:
                 "instance_types": {n.name: args.instance_type(n) for n in region.nodes},
             }
         )
-        # the bundle copies connect to the instances' public IPs, so they wait for them
-        return [comp, *self.ssh.pool(ctx, region, parent)]
+        # the bundle copies connect to the instances' public IPs; they also wait for the
+        # rest of the region (the firewall rule that admits SSH, the internet route)
+        hosts = Parent(parent.name, parent.resource, (*parent.depends_on, comp))
+        return [comp, *self.ssh.pool(ctx, region, hosts)]
 
     def overlay(
         self, ctx: BackendContext, regions: list[PlanRegion], parent: Parent

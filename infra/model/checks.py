@@ -747,6 +747,13 @@ def _cloud_region(m: StackModel, source: str, i: int) -> None:
             f"regions[{i}].subnet",
             f"{r.subnet}: {c.title} subnets are /{low} to /{high}; pick a subnet in that range",
         )
+    if r.pool.kind == "aws" and s.image and not s.image.startswith(("ami-", "ssm:")):
+        raise _err(
+            source,
+            f"{path}.image",
+            f"'{s.image}' is neither an AMI id (ami-...) nor a public SSM parameter "
+            f"(ssm:/aws/service/...); use one of those, or drop image for {c.image.ref}",
+        )
     need, what = _image_need(r.pool.kind, s.image, s.image_disk_gb)
     if need is not None and s.disk_gb < need:
         raise _err(

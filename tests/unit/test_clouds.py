@@ -368,6 +368,10 @@ BROKEN: dict[str, tuple[Callable[[dict[str, Any]], None], list[str]]] = {
             "use disk_gb: 75 or more",
         ],
     ),
+    "aws-image-form": (
+        lambda c: _region(c, "silicon-valley")["pool"]["cloud"].update(image="ubuntu-24.04"),
+        ["geotrain:regions[2].pool.cloud.image", "'ubuntu-24.04' is neither an AMI id"],
+    ),
     "address-on-a-cloud-node": (
         lambda c: _region(c, "beijing")["pool"]["nodes"][1].update(address="198.51.100.9"),
         ["geotrain:regions[0].pool.nodes[1].address", "198.51.100.9", "drop address"],
