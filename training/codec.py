@@ -39,6 +39,7 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 import zstandard
@@ -87,8 +88,9 @@ class Address:
     """0 scatter, 1 gather (STAGES)."""
 
 
-@dataclass(frozen=True)
-class _Header:
+class _Header(NamedTuple):
+    """The header's fields after magic and version (a tuple: built for every payload)."""
+
     quant: int
     cipher: int
     stage: int
@@ -224,7 +226,8 @@ class Codec:
     def _next_nonce(self, addr: Address, size: int) -> bytes:
         """generation (4 bytes) || counter (8 bytes): unique per key by construction."""
         with self._lock:
-            link = self._links.setdefault((addr.dest, addr.stage, addr.source), _Link())
+            k = (addr.dest, addr.stage, addr.source)
+            link = self._links.get(k) or self._links.setdefault(k, _Link())
             if link.messages >= REKEY_MESSAGES or link.bytes + size > REKEY_BYTES:
                 link.generation, link.messages, link.bytes = link.generation + 1, 0, 0
             nonce = link.generation.to_bytes(4, "big") + link.messages.to_bytes(8, "big")
@@ -245,45 +248,56 @@ class Codec:
 
     def _decode(self, payload: bytes, expect: Address, numel: int) -> torch.Tensor:
         s = self._session()
-        where = f"payload from rank {expect.source} (step {expect.step}, bucket {expect.bucket})"
         if len(payload) < HEADER.size + TAG_BYTES:
-            raise TransientReject(f"{where} is truncated ({len(payload)} bytes); not applied")
+            raise TransientReject(
+                f"{_where(expect)} is truncated ({len(payload)} bytes); not applied"
+            )
         h = _unpack(payload)
         if h is None:
-            raise TransientReject(f"{where} is not a geotrain v{VERSION} payload; not applied")
-        claims = {
-            "run": (h.tag, s.tag),
-            "session": (h.session, s.id),
-            "address": (h.address(), expect),
-            "numel": (h.numel, numel),
-            "block": (h.block, self.spec.block_size),
-            "quantizer": (h.quant, QUANT[self.spec.quantize]),
-            "cipher": (h.cipher, CIPHERS[self.spec.cipher]),
-        }
-        wrong = [k for k, (got, want) in claims.items() if got != want]
-        if wrong:
-            self._classify(payload, h, where, wrong, expect)
+            raise TransientReject(
+                f"{_where(expect)} is not a geotrain v{VERSION} payload; not applied"
+            )
+        want = _Header(
+            QUANT[self.spec.quantize],
+            CIPHERS[self.spec.cipher],
+            expect.stage,
+            s.tag,
+            s.id,
+            expect.epoch,
+            expect.step,
+            expect.bucket,
+            expect.source,
+            expect.dest,
+            expect.part,
+            numel,
+            self.spec.block_size,
+            h.nonce,  # any: it only has to be unique, which the sender's key ensures
+        )
+        if h != want:
+            self._classify(payload, h, want, expect)
         header, sealed = payload[: HEADER.size], payload[HEADER.size :]
         body = self._open(sealed, h, header, s.salt(), self.spec.cipher)
         if body is None:
             raise TransientReject(
-                f"{where} failed {self.spec.cipher} authentication (corrupted in transit, or "
-                "forged without this run's key); not applied"
+                f"{_where(expect)} failed {self.spec.cipher} authentication (corrupted in "
+                "transit, or forged without this run's key); not applied"
             )
         size = _raw_size(self.spec.quantize, numel, self.spec.block_size)
         try:
             # zstd allocates a frame's declared content size, whatever max_output_size says
             if zstandard.frame_content_size(body) not in (size, -1):
-                raise HostileReject(f"{where} declares a body of the wrong size; not applied")
+                raise HostileReject(
+                    f"{_where(expect)} declares a body of the wrong size; not applied"
+                )
             raw = self._zd().decompress(body, max_output_size=size)
         except zstandard.ZstdError as e:
             raise HostileReject(
-                f"{where}: authentic body does not decompress ({e}); not applied"
+                f"{_where(expect)}: authentic body does not decompress ({e}); not applied"
             ) from None
         if len(raw) != size:
             raise HostileReject(
-                f"{where}: authentic body holds {len(raw)} bytes, {numel} {self.spec.quantize} "
-                f"values take {size}; not applied"
+                f"{_where(expect)}: authentic body holds {len(raw)} bytes, {numel} "
+                f"{self.spec.quantize} values take {size}; not applied"
             )
         return _dequantize(
             _unshuffle(raw, _itemsize(self.spec.quantize)),
@@ -292,11 +306,20 @@ class Codec:
             self.spec.block_size,
         )
 
-    def _classify(
-        self, payload: bytes, h: _Header, where: str, wrong: list[str], expect: Address
-    ) -> None:
+    def _classify(self, payload: bytes, h: _Header, want: _Header, expect: Address) -> None:
         """A header that differs from the expectation: authentic as it claims (a replay,
         a misroute or a key holder's wrong shape) is hostile, else it is garbled."""
+        where = _where(expect)
+        names = {
+            "run": ("tag",),
+            "session": ("session",),
+            "address": ("epoch", "step", "source", "dest", "bucket", "part", "stage"),
+            "numel": ("numel",),
+            "block": ("block",),
+            "quantizer": ("quant",),
+            "cipher": ("cipher",),
+        }
+        wrong = [k for k, fs in names.items() if any(getattr(h, f) != getattr(want, f) for f in fs)]
         cipher = next((c for c, i in CIPHERS.items() if i == h.cipher), None)
         authentic = (
             cipher is not None
@@ -367,37 +390,24 @@ class Codec:
         return self._local.d
 
 
+def _where(expect: Address) -> str:
+    return f"payload from rank {expect.source} (step {expect.step}, bucket {expect.bucket})"
+
+
 def _cipher(name: str, key: bytes, nonce: bytes, tag: bytes | None = None) -> Cipher:
     alg = algorithms.SM4(key) if name == "sm4-gcm" else algorithms.AES(key)
     return Cipher(alg, modes.GCM(nonce, tag))
 
 
 def _pack(h: _Header) -> bytes:
-    return HEADER.pack(
-        MAGIC,
-        VERSION,
-        h.quant,
-        h.cipher,
-        h.stage,
-        h.tag,
-        h.session,
-        h.epoch,
-        h.step,
-        h.bucket,
-        h.source,
-        h.dest,
-        h.part,
-        h.numel,
-        h.block,
-        h.nonce,
-    )
+    return HEADER.pack(MAGIC, VERSION, *h)
 
 
 def _unpack(payload: bytes) -> _Header | None:
-    magic, version, *fields = HEADER.unpack_from(payload)
-    if magic != MAGIC or version != VERSION:
+    fields = HEADER.unpack_from(payload)
+    if fields[0] != MAGIC or fields[1] != VERSION:
         return None
-    return _Header(*fields)
+    return _Header._make(fields[2:])
 
 
 def _raw_size(quant: str, n: int, block: int) -> int:

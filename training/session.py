@@ -22,6 +22,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import hmac
 import ipaddress
@@ -64,13 +65,17 @@ class Session:
         never use it: its keys repeat from one launch to the next."""
         return Session(run_id, bytes(SESSION_BYTES), epoch)
 
-    @property
+    @functools.cached_property
     def tag(self) -> bytes:
         return run_tag(self.run_id)
 
+    @functools.cached_property
+    def _salt(self) -> bytes:
+        return self.tag + self.id
+
     def salt(self) -> bytes:
         """HKDF salt: run tag || session id."""
-        return self.tag + self.id
+        return self._salt
 
 
 def derive(run_key: bytes, salt: bytes, info: str, size: int) -> bytes:

@@ -30,7 +30,7 @@ import yaml
 import training.codec as codec_mod
 from training import launch
 from training.checkpoint import ALLOW_ROLLBACK_ENV, Checkpointer, VerifiedReader, node_group
-from training.codec import HEADER, Address, Codec, _pack, _unpack
+from training.codec import HEADER, Address, Codec, _Header, _pack, _unpack
 from training.errors import (
     CheckpointError,
     HostileReject,
@@ -75,16 +75,17 @@ def nothing_decoded(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     return calls
 
 
-def _forge(c: Codec, payload: bytes, body: bytes | None = None, **fields: Any) -> bytes:
-    """A key holder's payload with header `fields` changed and re-sealed: authentic."""
-    h = dataclasses.replace(_unpack(payload), **fields)  # type: ignore[type-var]
+def _header(payload: bytes) -> _Header:
+    h = _unpack(payload)
+    assert h is not None
+    return h
+
+
+def _forge(c: Codec, payload: bytes, body: bytes, **fields: Any) -> bytes:
+    """A key holder's payload: `payload`'s header with `fields` changed, sealing `body`
+    (authentic, since the key holder derives the keys)."""
+    h = _header(payload)._replace(**fields)
     header = _pack(h)
-    if body is None:  # the original body, opened under the original header
-        orig = _unpack(payload)
-        assert orig is not None
-        salt = orig.tag + orig.session
-        body = c._open(payload[HEADER.size :], orig, payload[: HEADER.size], salt, "sm4-gcm")
-        assert body is not None
     return header + c._seal(body, h, header, h.tag + h.session)
 
 
@@ -149,7 +150,7 @@ def test_each_link_direction_stage_generation_and_session_has_its_own_key() -> N
     assert len(keys) == 3 * 4 * 2 * 2
     # a payload sealed for 2 -> 0, re-addressed as 0 -> 2 by someone without the key
     payload, _ = _codec().encode(torch.randn(N), ADDR)
-    h = dataclasses.replace(_unpack(payload), source=0, dest=2)  # type: ignore[type-var]
+    h = _header(payload)._replace(source=0, dest=2)
     flipped = _pack(h) + payload[HEADER.size :]
     with pytest.raises(TransientReject, match="failed sm4-gcm authentication"):
         _codec().decode(flipped, dataclasses.replace(ADDR, source=0, dest=2), N)
@@ -164,7 +165,7 @@ def test_nonces_are_counters_that_never_repeat_and_the_key_changes_before_the_li
     for step in range(10):
         addr = dataclasses.replace(ADDR, step=step)
         payload, sent = sender.encode(torch.randn(N), addr)
-        nonces.append(_unpack(payload).nonce)  # type: ignore[union-attr]
+        nonces.append(_header(payload).nonce)
         assert torch.equal(receiver.decode(payload, addr, N), sent)
     assert len(set(nonces)) == 10
     gens = [int.from_bytes(n[:4], "big") for n in nonces]
@@ -172,7 +173,7 @@ def test_nonces_are_counters_that_never_repeat_and_the_key_changes_before_the_li
     assert gens == [0] * 4 + [1] * 4 + [2] * 2 and counters == [0, 1, 2, 3] * 2 + [0, 1]
     # another link keeps its own counter (and key)
     other, _ = sender.encode(torch.randn(N), dataclasses.replace(ADDR, dest=1))
-    assert _unpack(other).nonce == bytes(12)  # type: ignore[union-attr]
+    assert _header(other).nonce == bytes(12)
 
 
 # -- 3. payloads reaching the wrong group ---------------------------------------------------
@@ -184,7 +185,7 @@ class _Misrouting(HierarchicalAllReduce):
         if self.topo.rank == 3 and payloads[0]:
             step = int.from_bytes(payloads[0][42:50], "big")
             addr = Address(self.epoch, step, 2, 0, bucket=0, part=0, stage=0)
-            n = _unpack(payloads[0]).numel  # type: ignore[union-attr]
+            n = _header(payloads[0]).numel
             payloads = [self.codec.encode(torch.randn(n), addr)[0], *payloads[1:]]
         return super()._all_to_all_bytes(payloads)
 
@@ -234,7 +235,7 @@ def test_header_sizes_other_than_the_receivers_are_refused_before_any_allocation
 ) -> None:
     c = _codec(cipher=cipher)
     payload, _ = c.encode(torch.randn(N), ADDR)
-    h = dataclasses.replace(_unpack(payload), **fields)  # type: ignore[type-var]
+    h = _header(payload)._replace(**fields)
     header = _pack(h)
     garbled = header + payload[HEADER.size :]  # no key: not authentic as it claims
     with pytest.raises(TransientReject, match=words):
@@ -251,8 +252,7 @@ def test_an_authentic_body_that_declares_another_size_is_never_decompressed(
 ) -> None:
     c = _codec()
     big, _ = c.encode(torch.randn(4 * N), ADDR)  # a frame of 4N values
-    h = _unpack(big)
-    assert h is not None
+    h = _header(big)
     body = c._open(big[HEADER.size :], h, big[: HEADER.size], S1.salt(), "sm4-gcm")
     assert body is not None
     forged = _forge(c, big, body=body, numel=N)  # header says N, the frame 4N
