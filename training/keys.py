@@ -1,7 +1,9 @@
 """The run key: 32 random bytes as hex in a file that only the run's user can read.
 
-Bytes 0-15 key SM4 (or the first 16 of AES-256), the whole 32 key AES-256-GCM; HMACs of
-checkpoint manifests use a key derived from it, so one file serves every purpose.
+It never keys anything directly: every key is derived from it with HKDF-SHA256
+(training.session.derive), per run, session, link, direction, stage and purpose for
+payloads and control messages, per purpose for checkpoint manifests and node records, so
+one file serves every purpose. See docs/security.md.
 """
 
 from __future__ import annotations
