@@ -282,6 +282,16 @@ class Codec:
                 f"{_where(expect)} failed {self.spec.cipher} authentication (corrupted in "
                 "transit, or forged without this run's key); not applied"
             )
+        raw = self._decompress(body, numel, expect)
+        return _dequantize(
+            _unshuffle(raw, _itemsize(self.spec.quantize)),
+            self.spec.quantize,
+            numel,
+            self.spec.block_size,
+        )
+
+    def _decompress(self, body: bytes, numel: int, expect: Address) -> bytes:
+        """The authentic `body`, decompressed to exactly the bytes of `numel` values."""
         size = _raw_size(self.spec.quantize, numel, self.spec.block_size)
         try:
             # zstd allocates a frame's declared content size, whatever max_output_size says
@@ -299,12 +309,7 @@ class Codec:
                 f"{_where(expect)}: authentic body holds {len(raw)} bytes, {numel} "
                 f"{self.spec.quantize} values take {size}; not applied"
             )
-        return _dequantize(
-            _unshuffle(raw, _itemsize(self.spec.quantize)),
-            self.spec.quantize,
-            numel,
-            self.spec.block_size,
-        )
+        return raw
 
     def _classify(self, payload: bytes, h: _Header, want: _Header, expect: Address) -> None:
         """A header that differs from the expectation: authentic as it claims (a replay,
