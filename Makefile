@@ -10,7 +10,7 @@ $(BIN)/geotrain: pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	# torch==2.13.0 is a CPU build that pip takes from this machine's disk
-	$(BIN)/pip install -q -e '.[dev,plot]'
+	$(BIN)/pip install -q -e '.[infra,dev,plot]'
 	touch $@
 
 setup: $(BIN)/geotrain

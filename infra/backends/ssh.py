@@ -36,6 +36,9 @@ STORE = ".geotrain/bundles"
 """Under the login user's home: CopyToRemote's remote_path (sftp paths are relative to
 it); a bundle directory named by its digest lands below it."""
 AGENT_BIN = "/usr/local/sbin/geotrain-node"
+CLOUD_DIAL_ERROR_LIMIT = 60
+"""SSH dial attempts to a host created in this deployment (pulumi-command backs off
+between attempts: about ten minutes in all)."""
 
 
 def bundle_path(digest: str) -> str:
@@ -66,6 +69,9 @@ class SshBackend:
         conn = node_target(ctx.plan, node).connection
         if conn is not None and node.name in ctx.addresses:  # known once deployed (clouds)
             conn.host = ctx.addresses[node.name]
+            # a new instance takes minutes to boot and run cloud-init before sshd lets the
+            # key in: retry far longer than pulumi-command's default 10 dials
+            conn.dial_error_limit = CLOUD_DIAL_ERROR_LIMIT
         return conn
 
     def pool(

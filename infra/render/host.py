@@ -63,6 +63,9 @@ class HostRole:
 
 ROLES = {
     "ssh": HostRole(),
+    "aws": HostRole(),
+    "gcp": HostRole(),
+    "alicloud": HostRole(),
     "lab": HostRole(training=False, lan_interface="eth0"),
 }
 """Pool kinds whose hosts run the agent, and what they want of it (the lab's hosts get
