@@ -10,7 +10,7 @@ from typing import Any
 
 from infra.model.clouds import CLOUD_KINDS, CLOUDS
 from infra.plan import Plan, PlanRegion
-from infra.render.runtime import render_launch_spec
+from infra.render.k8s import worker_spec
 from training.spec import listeners
 
 
@@ -119,12 +119,12 @@ def monitoring_facts(plan: Plan) -> dict[str, Any]:
         {"service": "grafana", "bind": host, "port": mon.grafana_port},
     ]
     # every worker's metrics endpoint, from the function the worker binds with
-    endpoints += [e for e in listeners(render_launch_spec(plan)) if e["service"] == "metrics"]
+    endpoints += [e for e in listeners(worker_spec(plan)) if e["service"] == "metrics"]
     return {"endpoints": endpoints, "tags": tags(plan)}
 
 
 def training_facts(plan: Plan) -> dict[str, Any]:
-    spec = render_launch_spec(plan)
+    spec = worker_spec(plan)
     m = plan.model
     return {
         "sync": spec.sync,

@@ -144,10 +144,16 @@ def encryption_in_transit(args: ResourceValidationArgs, report: Report) -> None:
 
 
 # -- no public exposure ---------------------------------------------------------------
+CLUSTER_DNS = ".svc.cluster.local"
+"""A pod's name under its headless Service resolves to its pod IP: the cluster network."""
+
+
 def _public(addr: str) -> str | None:
     try:
         ip = ipaddress.ip_address(addr)
     except ValueError:
+        if addr.endswith(CLUSTER_DNS):
+            return None
         return f"'{addr}' is not an IP address"
     if ip.is_unspecified:
         return f"{addr} binds every interface, public ones included"

@@ -16,7 +16,7 @@ import pulumi
 from infra import tokens
 from infra.backends import BackendContext, Parent, backend_for
 from infra.facts import monitoring_facts
-from infra.render.host import host_services_of
+from infra.render.host import monitoring_urls
 
 TOKEN = tokens.MONITORING
 
@@ -42,16 +42,9 @@ class Monitoring(pulumi.ComponentResource):
             if plan.monitoring.enabled
             else []
         )
-        mon = plan.monitoring
-        self.prometheus_url = pulumi.Output.from_input(
-            f"http://{host.private_ip}:{mon.prometheus_port}"
-        )
-        grafana = host_services_of(plan, host)
-        self.grafana_url = pulumi.Output.from_input(
-            f"http://{host.private_ip}:{mon.grafana_port}"
-            if any(s.unit == "grafana-server.service" for s in grafana)
-            else ""
-        )
+        prometheus, grafana = monitoring_urls(plan)
+        self.prometheus_url = pulumi.Output.from_input(prometheus)
+        self.grafana_url = pulumi.Output.from_input(grafana)
         self.register_outputs(
             {
                 "prometheus_url": self.prometheus_url,

@@ -15,7 +15,7 @@ import pulumi
 from infra import tokens
 from infra.backends import BackendContext, Parent, backend_for, backends_of
 from infra.facts import training_facts
-from infra.render import render_launch_spec
+from infra.render.k8s import worker_spec
 
 TOKEN = tokens.TRAINING
 
@@ -43,7 +43,7 @@ class TrainingDeployment(pulumi.ComponentResource):
         self.resources = [
             res for r in plan.regions for res in backend_for(r).deliver(ctx, r, run_key, parent)
         ]
-        self.launch_spec = pulumi.Output.from_input(render_launch_spec(plan).to_json())
+        self.launch_spec = pulumi.Output.from_input(worker_spec(plan).to_json())
         self.register_outputs(
             {"launch_spec": self.launch_spec, "run_id": plan.run_id, "world_size": plan.world_size}
         )

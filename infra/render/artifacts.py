@@ -8,9 +8,8 @@ from dataclasses import dataclass
 
 from infra.plan import Plan
 from infra.render.host import render_host, role_for
-from infra.render.k8s import pod_launch_spec, render_k8s
+from infra.render.k8s import render_k8s, worker_spec
 from infra.render.monitoring import monitoring_files
-from infra.render.runtime import render_launch_spec
 
 
 @dataclass(frozen=True)
@@ -28,7 +27,7 @@ def render_all(plan: Plan) -> list[Artifact]:
     monitoring files."""
     kube = all(r.kind == "kubernetes" for r in plan.regions)
     # pods get node addresses they can use (their DNS names; see infra/render/k8s.py)
-    spec_json = (pod_launch_spec(plan) if kube else render_launch_spec(plan)).to_json()
+    spec_json = worker_spec(plan).to_json()
     out = [Artifact("launch-spec.json", spec_json)]
     for r in plan.regions:
         role = role_for(r.kind)

@@ -318,3 +318,17 @@ def _monitoring(
         if grafana:
             dirs.append(DirSpec(GRAFANA_DASHBOARDS, "root", "grafana", "0755"))
     return files, units, repos, secrets, dirs
+
+
+def monitoring_urls(plan: Plan) -> tuple[str, str]:
+    """(Prometheus, Grafana) that the stack runs on its monitoring host, '' for none: a
+    Kubernetes stack's monitoring is each cluster's kube-prometheus-stack, not ours."""
+    host = plan.monitoring_host
+    if role_for(host.kind) is None and host.kind != "local":
+        return "", ""
+    mon = plan.monitoring
+    grafana = any(s.unit == "grafana-server.service" for s in host_services_of(plan, host))
+    return (
+        f"http://{host.private_ip}:{mon.prometheus_port}",
+        f"http://{host.private_ip}:{mon.grafana_port}" if grafana else "",
+    )

@@ -822,3 +822,10 @@ def render_k8s(plan: Plan, region: PlanRegion) -> list[dict[str, Any]]:
     if plan.model.monitoring.enabled:
         docs += monitoring_docs(plan, region)
     return docs + delivery_docs(plan, region, RUN_KEY_PLACEHOLDER)
+
+
+def worker_spec(plan: Plan) -> LaunchSpec:
+    """The launch spec the stack's workers really run: the pods' (node hosts are pod DNS
+    names) when every region is on Kubernetes, the hosts' otherwise."""
+    kube = all(r.kind == "kubernetes" for r in plan.regions)
+    return pod_launch_spec(plan) if kube else render_launch_spec(plan)

@@ -49,7 +49,7 @@ def test_wireguard_config_leaves_routing_to_bgp_and_never_holds_a_private_key() 
     assert "Table = off" in conf
     assert "PublicKey = PUBKEY=" in conf
     assert "PrivateKey" not in conf
-    assert f"Endpoint = {t.b_underlay}:{t.b_port}" in conf
+    assert f"Endpoint = {t.side('beijing').peer_underlay}:{t.b_port}" in conf  # the relay
     stripped = strip_wg_quick(conf)
     assert "Table" not in stripped and "Address" not in stripped and "ListenPort" in stripped
 
@@ -100,6 +100,7 @@ def test_alert_rules_cover_the_operational_failures() -> None:
         "GeotrainGpuUtilLow",
         "GeotrainCrossRegionThroughputCollapsed",
         "GeotrainLossNaN",
+        "GeotrainPayloadsRejected",
     }
 
 

@@ -398,3 +398,11 @@ def test_admin_ssh_only_passes_ssh_from_admin_and_fails_ssh_from_elsewhere() -> 
         "admits SSH from 8.8.8.0/24, outside geotrain:network.admin_cidrs (198.51.100.240/28)"
         in msg
     )
+
+
+def test_a_pod_bound_to_its_cluster_dns_name_is_private_and_a_public_name_is_not() -> None:
+    from policies.rules import _public
+
+    assert _public("gt-beijing-0.gt-beijing.geotrain.svc.cluster.local") is None
+    assert _public("workers.example.com") == "'workers.example.com' is not an IP address"
+    assert _public("0.0.0.0") is not None and _public("8.8.8.8") is not None
