@@ -25,7 +25,7 @@ lint: setup
 	$(BIN)/mypy
 
 test: lint  ## lint, type check, then every test (root-only tests skip with a reason)
-	$(BIN)/python -m pytest -q -rs tests; rc=$$?; [ $$rc -eq 5 ] && rc=0; exit $$rc
+	$(BIN)/python -m pytest -q -rs --durations=40 tests; rc=$$?; [ $$rc -eq 5 ] && rc=0; exit $$rc
 
 unit: setup
 	$(BIN)/python -m pytest -q tests/unit

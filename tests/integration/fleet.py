@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import stat
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -31,6 +32,7 @@ from infra.hosts import Host, remove_cgroups, runtime_binds, runtime_venv, stop_
 from infra.lab import VENVS
 from infra.render.bundle import runtime_wheel
 from infra.replay import Executor
+from training.errors import LabError
 
 PREFIX = "gt-fl-"
 OPERATOR = "198.18.0.1"
@@ -288,13 +290,21 @@ def _link(inet: str, port: str, ns: str, cidr: str, via: str, bridge: str | None
 
 
 def _shared_runtime_reachable(h: Host) -> None:
-    """The shared venv's interpreter and this checkout may live under directories only
-    root can enter on this machine (e.g. /root/.pyenv); inside the host (its private
-    root) make their ancestors traversable, so the workers' user can run them, as it can
-    run a venv the agent builds from the host's python3."""
+    """The shared runtime's bind-mounted environments (this checkout's venv, the base
+    interpreter, e.g. under /root/.pyenv) may sit under directories only root can enter on
+    this machine. Inside the host, their ancestors are the host's own (its overlay root),
+    so make those traversable, so the workers' user can run the runtime as it runs a venv
+    the agent builds from the host's python3. The mounts themselves are read-only: they
+    must already be traversable."""
     dirs: set[str] = set()
-    for p in (Path(os.path.realpath(sys.executable)), Path(__file__).resolve()):
-        dirs |= {str(a) for a in p.parents if str(a) != "/"}
+    for b in h.binds:
+        dirs |= {str(a) for a in Path(b.target).parents if str(a) != "/"}
+        mode = os.stat(f"/proc/{h.pid}/root{b.target}").st_mode
+        if not mode & stat.S_IXOTH:
+            raise LabError(
+                f"{b.source} is mode {stat.filemode(mode)}: the hosts' workers cannot use the "
+                f"runtime in it; chmod o+rx it (or use a venv outside it)"
+            )
     h.exec(["chmod", "o+x", *sorted(dirs)])
 
 
