@@ -1,5 +1,6 @@
 """Helpers to run a function on a real multi-process gloo world on this machine (tests and
-benchmarks): one TCPStore on port 0 in the parent, spawned workers, results returned."""
+benchmarks): one TCPStore on port 0 in the parent, workers forked from a fork server,
+results returned."""
 
 from __future__ import annotations
 
@@ -73,10 +74,23 @@ def _entry(
             dist.destroy_process_group()
 
 
+PRELOAD = ["torch", "torch.distributed", "training.codec", "training.hier", "training.checkpoint"]
+"""What the fork server imports once, so each rank starts in ~30 ms instead of importing torch
+afresh (spawn: ~1.5 s of CPU per rank, 6 ranks per world, dozens of worlds per test run)."""
+
+
+def _context() -> Any:
+    """A fork server, not plain fork: ranks fork from a process that imported torch but never
+    ran it (no thread pools, no CUDA), so they start clean, as with spawn, only faster."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
+
 def run_world(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 120) -> list[Any]:
-    """Run fn(rank, world, *args) on `world` spawned ranks; returns results by rank.
+    """Run fn(rank, world, *args) on `world` ranks (processes); returns results by rank.
     Raises RuntimeError naming the ranks that failed (with their exception)."""
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     store = dist.TCPStore("127.0.0.1", 0, world + 1, True, wait_for_workers=False)
     queue = ctx.Queue()
     procs = [
