@@ -335,6 +335,25 @@ class Ledger:
             index, self.index, self.prev = self.index, self.index + 1, sm3(payload)
             return index
 
+    def record_checkpoint(self, root: Path, node: str, step: int, epoch: int) -> int:
+        """A node's committed checkpoint `root`/step-N/`node`: every file its manifest
+        names (the manifest's SHA-256, computed at commit) and the manifest itself (SM3)."""
+        manifest = root / f"step-{step}" / node / "manifest.json"
+        files = json.loads(manifest.read_text(encoding="utf-8"))["files"]
+        subject = {f"{node}/{name}": {"sha256": digest} for name, digest in files.items()}
+        subject[f"{node}/manifest.json"] = {"sm3": file_sm3(manifest)}
+        return self.append(
+            "checkpoint", subject, step=step, node=node, root=str(root.resolve()), epoch=epoch
+        )
+
+    def record_end(self, params: str, final: Path | None, step: int, epoch: int) -> int:
+        """The run finished at `step` with parameters of SM3 `params` (and the final
+        weights file, on the rank that wrote it); the entry count marks the tail."""
+        subject = {"params": {"sm3": params}}
+        if final is not None:
+            subject[final.name] = {"sm3": file_sm3(final)}
+        return self.append("end", subject, step=step, entries=self.index, epoch=epoch)
+
     def record_dp(self, epsilon: float, delta: float, steps: int, **extra: Any) -> int:
         """Privacy budget spent by this region so far (cumulative epsilon, delta, at
         `steps` optimizer steps)."""

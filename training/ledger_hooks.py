@@ -11,7 +11,6 @@ once the run finishes.
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -19,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from training.errors import LedgerError
-from training.ledger import Ledger, TensorHasher, activate, file_sm3, sm3, tensors_sm3
+from training.ledger import Ledger, TensorHasher, activate, sm3, tensors_sm3
 from training.session import Control, Session
 from training.spec import LaunchSpec
 
@@ -127,35 +126,19 @@ def merged(job: Job, pseudo_gradient: TensorHasher) -> None:
 
 
 def committed(job: Job, step: int) -> None:
-    """On the node leader's checkpoint writer thread, once its node committed `step`:
-    every file its manifest names (with the manifest's SHA-256) and the manifest (SM3)."""
-    if job.ledger is None:
-        return
-    d = job.ckpt.dir_of(step)
-    manifest = d / "manifest.json"
-    files = json.loads(manifest.read_text(encoding="utf-8"))["files"]
-    subject = {f"{job.node}/{name}": {"sha256": digest} for name, digest in files.items()}
-    subject[f"{job.node}/manifest.json"] = {"sm3": file_sm3(manifest)}
-    job.ledger.append(
-        "checkpoint",
-        subject,
-        step=step,
-        node=job.node,
-        root=str(job.ckpt.root.resolve()),
-        epoch=_epoch(job),
-    )
+    """On the node leader's checkpoint writer thread, once its node committed `step`."""
+    if job.ledger is not None:
+        job.ledger.record_checkpoint(job.ckpt.root, job.node, step, _epoch(job))
 
 
 def finished(job: Job, run_dir: Path | None) -> None:
-    """After the run (and `final.pt`, written by rank 0) : the `end` entry, with the
-    number of entries before it, so a chain cut at its tail shows."""
+    """After the run (and `final.pt`, which rank 0 writes): the `end` entry."""
     if job.ledger is None:
         return
-    subject = {"params": {"sm3": tensors_sm3(job.model.parameters())}}
     final = run_dir / FINAL if run_dir is not None else None
-    if job.topo.rank == 0 and final is not None and final.exists():
-        subject[FINAL] = {"sm3": file_sm3(final)}
-    job.ledger.append("end", subject, step=job.step, entries=job.ledger.index, epoch=_epoch(job))
+    mine = job.topo.rank == 0 and final is not None and final.exists()
+    params = tensors_sm3(job.model.parameters())
+    job.ledger.record_end(params, final if mine else None, job.step, _epoch(job))
     activate(None)
 
 
