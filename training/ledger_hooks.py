@@ -137,7 +137,7 @@ def finished(job: Job, run_dir: Path | None) -> None:
         return
     final = run_dir / FINAL if run_dir is not None else None
     mine = job.topo.rank == 0 and final is not None and final.exists()
-    params = tensors_sm3(job.model.parameters())
+    params = tensors_sm3(job.model.state_dict().values())  # final.pt's tensors, in order
     job.ledger.record_end(params, final if mine else None, job.step, _epoch(job))
     activate(None)
 

@@ -11,7 +11,8 @@ In order, each failure one LedgerError line naming the chain and entry:
    sync step, and at the end, every region signed the same parameters;
 4. files: every committed checkpoint directory an entry names (the newest entry of each
    node and step) still holds exactly those bytes; a committed directory of a recorded
-   node that no entry names is refused; `final.pt` matches the last `end` that names it.
+   node that no entry names is refused; `final.pt` matches the last `end` that names it,
+   and its tensors are the parameters every region signed at the end.
 Checkpoints that were pruned or set aside (their directory is gone) are counted, not
 errors: keeping `keep` checkpoints is the point of pruning.
 """
@@ -23,6 +24,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from training.errors import LedgerError
@@ -34,6 +36,7 @@ from training.ledger import (
     public_bytes,
     public_from_hex,
     read_chain,
+    tensors_sm3,
 )
 
 MARKER = "COMMITTED"  # training.checkpoint's; not imported: verifying needs no torch.distributed
@@ -239,5 +242,16 @@ def _check_final(run_dir: Path, chains: dict[str, list[Entry]]) -> bool:
             raise LedgerError(f"{where}: the final weights {f} are missing")
         if file_sm3(f) != end.subject[FINAL].get("sm3"):
             raise LedgerError(f"{where}: the final weights {f} differ from the entry (digest)")
+        # and the tensors in it are the parameters every region signed at the end (the
+        # ends agree: _cross_check), so one region's key cannot vouch for other weights
+        try:
+            state = torch.load(f, map_location="cpu", weights_only=True)
+            tensors = tensors_sm3(state.values())
+        except Exception as e:  # a file that a key holder made: whatever it fails with
+            raise LedgerError(f"{where}: the final weights {f} do not load ({e!r:.80})") from None
+        if tensors != end.subject["params"].get("sm3"):
+            raise LedgerError(
+                f"{where}: the final weights {f} are not the parameters every region signed"
+            )
         return True
     return False

@@ -56,11 +56,15 @@ def run(tmp_path: Path) -> Path:
             led.append("sync", subject, step=step, epoch=0)
             _checkpoint(root, step, f"n{i}")
             led.record_checkpoint(root, f"n{i}", step, epoch=0)
+    _final(run_dir, ledgers, params)
+    return run_dir
+
+
+def _final(run_dir: Path, ledgers: dict[str, L.Ledger], params: torch.Tensor) -> None:
     torch.save({"w": params}, run_dir / "final.pt")
     for i, led in enumerate(ledgers.values()):
         final = run_dir / "final.pt" if i == 0 else None
         led.record_end(L.tensors_sm3([params]), final, step=6, epoch=0)
-    return run_dir
 
 
 def _lines(run_dir: Path, region: str = "beijing") -> list[str]:
@@ -251,6 +255,20 @@ def test_final_weights_that_differ_from_the_end_entry_are_named(run: Path) -> No
     _rejected(run, "ledger beijing entry 5", "final weights", "differ")
     (run / "final.pt").unlink()
     _rejected(run, "ledger beijing entry 5", "missing")
+
+
+def test_final_weights_resigned_by_one_region_are_not_what_the_others_signed(
+    run: Path,
+) -> None:
+    """beijing's key holder swaps final.pt and re-signs beijing's end entry for it."""
+    key = L.signing_key(run, "beijing")
+    torch.save({"w": torch.zeros(12)}, run / "final.pt")
+    lines = _lines(run)
+    st = json.loads(base64.b64decode(json.loads(lines[-1])["payload"]))
+    st["subject"][1]["digest"]["sm3"] = L.file_sm3(run / "final.pt")
+    lines[-1] = L.envelope(st, key)[0]
+    _write(run, lines)
+    _rejected(run, "ledger beijing entry 5", "not the parameters every region signed")
 
 
 def test_an_open_chain_is_accepted_only_when_asked(run: Path) -> None:
