@@ -36,8 +36,10 @@ def _checkpoint(root: Path, step: int, node: str) -> None:
 
 def _start(ledgers: dict[str, L.Ledger], epoch: int = 0) -> None:
     keys = {r: led.public_hex for r, led in ledgers.items()}
+    session = os.urandom(16).hex()  # agreed by every rank of a launch
     for led in ledgers.values():
-        led.append("start", {"launch-spec": {"sm3": L.sm3(b"spec")}}, epoch=epoch, keys=keys)
+        spec = {"launch-spec": {"sm3": L.sm3(b"spec")}}
+        led.append("start", spec, epoch=epoch, session=session, keys=keys)
 
 
 @pytest.fixture
@@ -269,6 +271,18 @@ def test_final_weights_resigned_by_one_region_are_not_what_the_others_signed(
     lines[-1] = L.envelope(st, key)[0]
     _write(run, lines)
     _rejected(run, "ledger beijing entry 5", "not the parameters every region signed")
+
+
+def test_a_second_run_in_the_same_run_dir_is_cross_checked_on_its_own(run: Path) -> None:
+    """`train --fresh` restarts epochs at 0: launches are told apart by session."""
+    ledgers = {r: L.Ledger.open(run, run, r, RUN) for r in REGIONS}
+    _start(ledgers)  # epoch 0 again, a new session
+    other = torch.full((12,), 7.0)
+    for led in ledgers.values():
+        led.append("sync", {"params": {"sm3": L.tensors_sm3([other])}}, step=3, epoch=0)
+    _final(run, ledgers, other)
+    v = verify_run(run)
+    assert v.final and v.cross_checked == 4 + 3  # start, syncs, end; then start, sync, end
 
 
 def test_an_open_chain_is_accepted_only_when_asked(run: Path) -> None:
