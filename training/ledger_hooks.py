@@ -27,6 +27,9 @@ if TYPE_CHECKING:
     from training.worker import Job
 
 FINAL = "final.pt"
+_recording = False
+"""Whether this launch keeps a ledger (a run dir): the same on every rank, so the ranks of
+a region all join `region_gradient`'s all-reduce, or all skip it."""
 
 
 def config_digest(spec: LaunchSpec) -> str:
@@ -46,6 +49,8 @@ def open_for(
     """A collective on every rank: region leaders open their chain, every rank learns
     every region's public key (authenticated under the run key) and the config digest
     every rank computed, and each leader signs a `start` entry naming them all."""
+    global _recording
+    _recording = run_dir is not None
     if run_dir is None:
         return None
     leader = topo.local_rank == 0
@@ -85,7 +90,7 @@ def region_gradient(job: Job) -> str | None:
     """allreduce, before the sync, on every rank of the region at recorded steps: SM3
     of the region's summed gradient (one in-region all-reduce; nothing crosses borders).
     The digest on the leader; None elsewhere and at other steps."""
-    if not sync_due(job.spec, job.step):
+    if not (_recording and sync_due(job.spec, job.step)):
         return None
     grads = [
         (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)

@@ -7,7 +7,7 @@ In order, each failure one LedgerError line naming the chain and entry:
    opens with `start` and, unless the run may still be going (`allow_open`), ends with
    `end`;
 3. across chains: every `start` names exactly the regions present and their keys; at each
-   launch (epoch) every region signed the same config digest; at every merge or recorded
+   launch every region signed the same config digest; at every merge or recorded
    sync step, and at the end, every region signed the same parameters;
 4. files: every committed checkpoint directory an entry names (the newest entry of each
    node and step) still holds exactly those bytes; a committed directory of a recorded
