@@ -9,7 +9,7 @@ from typing import Any
 
 import click
 
-from geotrain import commands, host_commands
+from geotrain import commands, host_commands, ledger_commands
 from geotrain.options import STACK, friendly
 
 
@@ -123,6 +123,7 @@ for command in (
     cli.add_command(command)
 cli.add_command(host_commands.lab)
 cli.add_command(host_commands.node)
+cli.add_command(ledger_commands.ledger)
 
 
 def main() -> None:

@@ -128,3 +128,8 @@ class SessionError(GeotrainError):
 
 class RollbackError(CheckpointError):
     """Committed checkpoints went missing or backwards behind the high-water mark."""
+
+
+class LedgerError(GeotrainError):
+    """The training ledger cannot be written, or does not verify (a chain, a signature, a
+    cross-check between regions, or a file an entry names)."""

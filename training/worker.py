@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from training import gloo
+from training import gloo, ledger_hooks
 from training.checkpoint import (
     ALLOW_ROLLBACK_ENV,
     Checkpointer,
@@ -35,6 +35,7 @@ from training.data import ByteLoader, load_region_text
 from training.errors import DataError, GeotrainError, HostileReject, PayloadRejected, SpecError
 from training.hier import HierarchicalAllReduce
 from training.keys import load_key
+from training.ledger import Ledger
 from training.metrics import RuntimeMetrics
 from training.model import DeepSeekLM, preset
 from training.session import Control, agree, rendezvous_store
@@ -77,6 +78,8 @@ class Job:
     """Byte counters already added to the Prometheus counters."""
     control: Control | None = None
     """Authenticated exchange of the time-based flags over every rank (`_due`)."""
+    ledger: Ledger | None = None
+    """This region's signed training ledger (region leaders with a run dir only)."""
 
     @property
     def leader(self) -> bool:
@@ -212,7 +215,13 @@ def setup(
         control=Control(key, session, "steps"),
     )
     job.metrics.reject(previous_rejects(events, rank))  # the count survives restarts
-    ckpt.on_commit = lambda step: job.emit("committed", node=node.name, step=step)
+    job.ledger = ledger_hooks.open_for(spec, topo, key, session, run_dir, node.name)
+
+    def on_commit(step: int) -> None:
+        job.emit("committed", node=node.name, step=step)
+        ledger_hooks.committed(job, step)
+
+    ckpt.on_commit = on_commit
     if spec.sync == "diloco":
         job.global_params = [p.detach().clone() for p in model.parameters()]
         m = spec.diloco.outer_momentum
@@ -407,10 +416,12 @@ def merge(job: Job) -> None:
     assert job.outer is not None  # only called in diloco mode
     local = [p.detach() for p in job.model.parameters()]
     buckets = _buckets(list(job.model.parameters()), job.spec.bucket_mb)
+    pg = ledger_hooks.hasher(job)  # the region's pseudo-gradient, for the ledger
     i = 0
     for b, params in enumerate(buckets):
         gl = job.global_params[i : i + len(params)]
         delta = torch.cat([(g - p.detach()).reshape(-1) for g, p in zip(gl, params, strict=True)])
+        pg.update(delta)
         avg = job.sync.all_reduce(delta, step=job.step, bucket=b)
         _scatter(avg, _grads(gl))
         i += len(params)
@@ -419,6 +430,7 @@ def merge(job: Job) -> None:
         for p, g in zip(local, job.global_params, strict=True):
             p.copy_(g)
     job.merges += 1
+    ledger_hooks.merged(job, pg)
     job.metrics.merges.inc()
     job.last_merge = time.monotonic()
 
@@ -473,11 +485,14 @@ def train_step(job: Job) -> None:
     job.opt.zero_grad(set_to_none=True)
     loss.backward()
     staged(job)  # the last save's copy of the state must be taken before it changes
+    gradient = None
     if job.outer is None:
+        gradient = ledger_hooks.region_gradient(job)  # None unless a recorded step
         sync_grads(job)
     else:
         region_average_grads(job)
     job.opt.step()
+    ledger_hooks.synced(job, gradient)
     merge_due, ckpt_due = _due(job)
     if merge_due:
         merge(job)
@@ -569,6 +584,7 @@ def run(
     job.ckpt.wait()
     if job.topo.rank == 0 and run_dir is not None:
         torch.save(job.model.state_dict(), run_dir / "final.pt")
+    ledger_hooks.finished(job, run_dir)
     if job.leader:
         job.emit(
             "done",

@@ -38,6 +38,19 @@ def test_train_runs_three_regions_and_reports(tmp_path: Path) -> None:
     assert sorted(p.name for p in root.iterdir()) == ["step-3", "step-6"]
     for node in NODES:
         assert committed(root, node) == {3, 6}
+    # the signed ledger names those checkpoints and the final weights; one flipped byte in
+    # a checkpoint file is refused with the entry that names it
+    ok = geotrain("ledger", "verify", "--stack", str(stack), cwd=tmp_path)
+    assert ok.returncode == 0 and "6 checkpoints" in ok.stdout, ok.stdout + ok.stderr
+    assert "final weights match" in ok.stdout
+    shard = sorted((root / "step-6" / "fra-0").glob("*.distcp"))[0]
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    shard.write_bytes(bytes(data))
+    bad = geotrain("ledger", "verify", "--stack", str(stack), cwd=tmp_path)
+    assert bad.returncode == 2, bad.stdout + bad.stderr
+    assert f"checkpoint step-6/fra-0 file {shard.name} differs" in bad.stderr, bad.stderr
+    assert "ledger frankfurt entry" in bad.stderr and "Traceback" not in bad.stderr
 
 
 def test_kill_9_resumes_and_ends_bitwise_equal_to_an_uninterrupted_run(tmp_path: Path) -> None:
@@ -150,3 +163,7 @@ def test_diloco_regions_hold_identical_weights_after_every_merge(tmp_path: Path)
             merges.setdefault(e["step"], set()).add(e["digest"])
     assert sorted(merges) == [3, 6, 9]
     assert all(len(d) == 1 for d in merges.values()), merges
+    # every region signed its pseudo-gradient and the same merged parameters at each merge
+    ok = geotrain("ledger", "verify", "--stack", str(stack), cwd=tmp_path)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert "5 launches/merges/syncs cross-checked" in ok.stdout, ok.stdout  # start, 3, end
