@@ -128,3 +128,19 @@ class SessionError(GeotrainError):
 
 class RollbackError(CheckpointError):
     """Committed checkpoints went missing or backwards behind the high-water mark."""
+
+
+class SecureAggregationError(GeotrainError):
+    """Secure aggregation cannot run as configured, or would reuse a mask."""
+
+
+class RoundReused(SecureAggregationError):
+    """A secure aggregation round (epoch, step, bucket) ran twice: its masks would repeat."""
+
+
+class RoundAborted(SecureAggregationError):
+    """A region's masked contribution is missing from a secure aggregation round (it
+    dropped, or its payload was refused): without it the masks do not cancel, so nothing
+    is applied; the worker exits with 3 and the launcher restarts from the checkpoint."""
+
+    exit_code = 3
