@@ -12,13 +12,16 @@ import pytest
 import torch
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
+from infra.model import load_stack
+from infra.plan import build_plan
+from infra.render.runtime import render_launch_spec
 from training.codec import Codec
-from training.errors import RoundAborted, RoundReused, SpecError
+from training.errors import ConfigError, RoundAborted, RoundReused, SpecError
 from training.hier import HierarchicalAllReduce
-from training.secagg import Masker, Round, SecureSum, check_settings, ring_sum
-from training.spec import CodecSpec
+from training.secagg import Masker, Round, SecureSum, ring_sum
+from training.spec import CodecSpec, LaunchSpec
 from training.testing import WorldError, make_spec, run_world
-from training.topology import Topology, make_groups
+from training.topology import Groups, Topology, make_groups
 
 pytestmark = pytest.mark.timeout(120)
 KEY = bytes(range(32))
@@ -104,8 +107,11 @@ def test_distinct_rounds_and_pieces_never_share_a_mask() -> None:
 def test_runtime_refuses_settings_secure_aggregation_cannot_sum(
     quantize: str, regions: int, match: str
 ) -> None:
-    with pytest.raises(SpecError, match=match):
-        check_settings(quantize, regions)
+    names = tuple(f"r{i}" for i in range(regions))
+    topo = Topology(0, regions, regions, 1, 0, 0, names)
+    codec = Codec(CodecSpec(quantize=quantize, secure_aggregation=True), KEY)
+    with pytest.raises(SpecError, match=match):  # before any collective
+        HierarchicalAllReduce(topo, Groups(None, None, torch.device("cpu")), codec, "run")
 
 
 # -- multi-rank: 3 regions x 2 ranks over gloo ------------------------------------------------
@@ -186,3 +192,45 @@ def test_a_region_missing_from_the_round_aborts_it_with_region_and_round_named()
         assert "step 4 bucket 1" in msg
         assert "\n" not in msg
     assert RoundAborted.exit_code == 3
+
+
+# -- the stack setting --------------------------------------------------------------------
+def _secure(quantize: str = "int8", regions: int = 3) -> Any:
+    def mutate(cfg: dict[str, Any]) -> None:
+        c = cfg["geotrain:training"]["compression"]
+        c.update(quantize=quantize, secure_aggregation=True)
+        del cfg["geotrain:regions"][regions:]
+        names = {r["name"] for r in cfg["geotrain:regions"]}
+        links = cfg["geotrain:network"]["links"]
+        links[:] = [lk for lk in links if {lk["a"], lk["b"]} <= names]
+        shards = cfg["geotrain:training"]["data_shards"]
+        shards[:] = [s for s in shards if s["region"] in names]
+
+    return mutate
+
+
+@pytest.mark.parametrize(
+    ("quantize", "regions", "words"),
+    [
+        ("fp16", 3, "needs quantize int8 or int4"),
+        ("none", 3, "needs quantize int8 or int4"),
+        ("int8", 2, "hides nothing with 2 regions"),
+    ],
+)
+def test_stack_refuses_secure_aggregation_it_cannot_honour(
+    write_stack: Any, quantize: str, regions: int, words: str
+) -> None:
+    with pytest.raises(ConfigError) as e:
+        load_stack(str(write_stack("local", _secure(quantize, regions))))
+    assert e.value.path == "geotrain:training.compression.secure_aggregation"
+    assert words in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_stack_setting_reaches_the_launch_spec(write_stack: Any) -> None:
+    spec = render_launch_spec(build_plan(load_stack(str(write_stack("local", _secure("int4"))))))
+    assert spec.codec.secure_aggregation is True
+    assert spec.codec.quantize == "int4"
+    assert LaunchSpec.from_json(spec.to_json()).codec.secure_aggregation is True
+    default = render_launch_spec(build_plan(load_stack("local")))
+    assert default.codec.secure_aggregation is False
