@@ -37,6 +37,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from cryptography.hazmat.primitives import hashes
@@ -87,10 +88,11 @@ def check_settings(quantize: str, regions: int) -> None:
 
 
 def keystream(key: bytes, n: int, cipher: str) -> torch.Tensor:
-    """(n,) int32 in [0, 2^16): CTR keystream of SM4 (codec cipher sm4-gcm) or AES-256."""
+    """(n,) int32 in [0, 2^16): CTR keystream of SM4 (codec cipher sm4-gcm) or AES-256,
+    read as little-endian 16-bit words whatever the host (every party must agree)."""
     alg = algorithms.SM4(key[:16]) if cipher == "sm4-gcm" else algorithms.AES(key)
     raw = Cipher(alg, modes.CTR(bytes(16))).encryptor().update(bytes(2 * n))
-    return torch.frombuffer(bytearray(raw), dtype=torch.int16).to(torch.int32) & 0xFFFF
+    return torch.from_numpy(np.frombuffer(raw, dtype="<u2").astype(np.int32))
 
 
 def mask_key(secret: bytes, salt: bytes, pair: tuple[int, int], rnd: Round, piece: int) -> bytes:
