@@ -126,7 +126,11 @@ def _timed(fn: Any) -> float:
     return time.perf_counter() - t0
 
 
-def paillier_row(values: int) -> str | None:
+DEMO_PARAMS = 2_452_992
+"""The demo model's parameters (benchmarks/results/codec_and_sync.md)."""
+
+
+def paillier_row(values: int) -> tuple[str, float, float, float, float] | None:
     try:
         from phe import paillier
     except ImportError:
@@ -144,10 +148,10 @@ def paillier_row(values: int) -> str | None:
         priv.decrypt(c)
     dec = (time.perf_counter() - t0) / 20
     size = (2 * 2048) // 8  # a ciphertext lives mod n^2
-    return _he_row("Paillier 2048 (phe), one value per ciphertext", enc, add, dec, size)
+    return ("Paillier 2048 (phe + gmpy2), one value per ciphertext", enc, add, dec, size)
 
 
-def ckks_row() -> str | None:
+def ckks_row() -> tuple[str, float, float, float, float] | None:
     try:
         import tenseal as ts
     except ImportError:
@@ -168,17 +172,40 @@ def ckks_row() -> str | None:
     s.decrypt()
     dec = (time.perf_counter() - t0) / slots
     size = len(vs[0].serialize()) / slots
-    return _he_row("CKKS N=8192 (TenSEAL), 4,096 values per ciphertext", enc, add, dec, size)
+    return ("CKKS N=8192 (TenSEAL), 4,096 values per ciphertext", enc, add, dec, size)
 
 
-def _he_row(name: str, enc: float, add: float, dec: float, size: float) -> str:
-    return f"| {name} | {enc * 1e6:.2f} | {add * 1e6:.3f} | {dec * 1e6:.2f} | {size:.1f} |"
+def he_lines(he: list[tuple[str, float, float, float, float]], secure: dict[str, Any]) -> list[str]:
+    lines = [
+        "| scheme | encrypt µs | add µs | decrypt µs | ciphertext bytes |",
+        "|---|---|---|---|---|",
+    ]
+    for name, enc, add, dec, size in he:
+        lines.append(
+            f"| {name} | {enc * 1e6:.2f} | {add * 1e6:.3f} | {dec * 1e6:.2f} | {size:.1f} |"
+        )
+    extra_s = secure["secure"]["s"] - secure["codec"]["s"]  # per bucket of --numel values
+    lines += [
+        "",
+        f"Per sync of the demo model ({DEMO_PARAMS:,} parameters), one region, one core:",
+        "",
+        "| method | extra s per sync (wall, one core) | bytes per parameter (masks: all peers, "
+        "both stages; HE: one ciphertext copy) |",
+        "|---|---|---|",
+        f"| pairwise masks (measured above, int8) | {extra_s * DEMO_PARAMS / secure['n']:.2f} "
+        f"| {secure['secure']['bytes']:.2f} (all peers together) |",
+    ]
+    for name, enc, _, _, size in he:
+        lines.append(
+            f"| {name.split(',')[0]}: encryption alone | {enc * DEMO_PARAMS:,.0f} | {size:.0f} |"
+        )
+    return lines
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--numel", type=int, default=1 << 20)
-    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--paillier-values", type=int, default=200)
     a = ap.parse_args()
     res = run_world(sync_world, REGIONS, a.numel, a.rounds, timeout=600)[0]
@@ -202,11 +229,9 @@ def main() -> None:
     lines += ["", "## Mask keystream", ""]
     lines += keystream_lines(a.numel)
     lines += ["", "## Homomorphic encryption per parameter, one core", ""]
-    lines += [
-        "| scheme | encrypt µs | add µs | decrypt µs | ciphertext bytes |",
-        "|---|---|---|---|---|",
-    ]
-    lines += [r for r in (paillier_row(a.paillier_values), ckks_row()) if r is not None]
+    he = [r for r in (paillier_row(a.paillier_values), ckks_row()) if r is not None]
+    secure = {"codec": res[("int8", "codec")], "secure": res[("int8", "secure")], "n": a.numel}
+    lines += he_lines(he, secure)
     text = "\n".join(lines) + "\n"
     print(text)
     RESULTS.mkdir(exist_ok=True)

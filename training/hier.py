@@ -14,6 +14,10 @@ Every payload is addressed to one link of one cross group: source and destinatio
 ranks (so a payload of local rank 0's group is refused by local rank 1's), the stage
 (scatter: piece j to region j; gather: the reduced piece to every region of the group,
 destination `BROADCAST`), the piece, and the number of values the receiver expects (P).
+
+With `codec.secure_aggregation` the scatter stage is `training.secagg.SecureSum`: pieces
+quantized with a scale every region agreed on and masked pairwise, so region j learns only
+the sum of piece j; the gather stage is unchanged.
 """
 
 from __future__ import annotations
