@@ -135,7 +135,8 @@ class SecureAggregationError(GeotrainError):
 
 
 class RoundReused(SecureAggregationError):
-    """A secure aggregation round (epoch, step, bucket) ran twice: its masks would repeat."""
+    """A secure aggregation round whose step does not advance past the bucket's last one:
+    its masks could repeat."""
 
 
 class RoundAborted(SecureAggregationError):

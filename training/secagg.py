@@ -16,8 +16,8 @@ One round (epoch, step, bucket) in one cross group of R regions, pieces (R, P):
      x - q * scale: the region's own quantization, before masking.
   3. mask: v = q + sum over peers k of (+m_k if my region < k else -m_k) mod 2^16, m_k a
      keystream of (SM4 or AES)-CTR under HKDF(X25519 secret of the pair, salt = run tag
-     || session id, info = pair, epoch, step, bucket, piece); a round is never run twice
-     (`RoundReused`), so a mask is never reused.
+     || session id, info = pair, epoch, step, bucket, piece); a bucket's steps must
+     advance within a session (else `RoundReused`), so a mask is never reused.
   4. region j sums the R masked copies of piece j mod 2^16: the masks cancel exactly and
      the sum of q (|sum| <= R * levels < 2^15) comes out as a signed 16-bit value, times
      the shared scale.
@@ -176,7 +176,8 @@ class SecureSum:
     _priv: X25519PrivateKey = field(default_factory=X25519PrivateKey.generate)
     _masker: Masker | None = None
     _wire: Codec | None = None
-    _rounds: set[Round] = field(default_factory=set)
+    _last: dict[tuple[int, int], int] = field(default_factory=dict)
+    """(epoch, bucket) -> the last step masked: steps must advance (O(buckets) memory)."""
 
     def __post_init__(self) -> None:
         check_settings(self.codec.spec.quantize, self.topo.regions)
@@ -205,12 +206,13 @@ class SecureSum:
         wire = self._wire_codec()
         assert wire.session is not None  # bound by _wire_codec
         rnd = Round(wire.session.epoch, step, bucket)
-        if rnd in self._rounds:
+        last = self._last.get((rnd.epoch, bucket))
+        if last is not None and step <= last:
             raise RoundReused(
                 f"secure aggregation round epoch {rnd.epoch} step {step} bucket {bucket} "
-                "ran twice in one session; its masks would repeat, so it is refused"
+                f"comes after step {last}: masks of a step must not repeat, so it is refused"
             )
-        self._rounds.add(rnd)
+        self._last[(rnd.epoch, bucket)] = step
         return rnd
 
     def _wire_codec(self) -> Codec:
