@@ -56,8 +56,9 @@ KEY_BYTES = {"none": 32, "sm4-gcm": 16, "aes-gcm": 32}
 """HMAC-SHA256 key for `none`."""
 MAGIC = b"GT"
 VERSION = 2
-STAGES = ("scatter", "gather")
-"""Exchange stage: 0 sends piece j to region j, 1 sends the reduced piece to every region."""
+STAGES = ("scatter", "gather", "secagg-scale", "secagg-masked")
+"""Exchange stage: 0 sends piece j to region j, 1 sends the reduced piece to every region;
+2 and 3 carry secure aggregation's scales and masked pieces (training.secagg)."""
 # magic, version, quant, cipher, stage, run tag, session, epoch, step, bucket, source rank,
 # destination rank, part, numel, block, nonce (generation u32 || counter u64)
 HEADER = struct.Struct(">2sBBBB16s16sIQIIIHII12s")

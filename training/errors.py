@@ -133,3 +133,20 @@ class RollbackError(CheckpointError):
 class LedgerError(GeotrainError):
     """The training ledger cannot be written, or does not verify (a chain, a signature, a
     cross-check between regions, or a file an entry names)."""
+
+
+class SecureAggregationError(GeotrainError):
+    """Secure aggregation cannot run as configured, or would reuse a mask."""
+
+
+class RoundReused(SecureAggregationError):
+    """A secure aggregation round whose step does not advance past the bucket's last one:
+    its masks could repeat."""
+
+
+class RoundAborted(SecureAggregationError):
+    """A region's masked contribution is missing from a secure aggregation round (it
+    dropped, or its payload was refused): without it the masks do not cancel, so nothing
+    is applied; the worker exits with 3 and the launcher restarts from the checkpoint."""
+
+    exit_code = 3

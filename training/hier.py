@@ -14,6 +14,10 @@ Every payload is addressed to one link of one cross group: source and destinatio
 ranks (so a payload of local rank 0's group is refused by local rank 1's), the stage
 (scatter: piece j to region j; gather: the reduced piece to every region of the group,
 destination `BROADCAST`), the piece, and the number of values the receiver expects (P).
+
+With `codec.secure_aggregation` the scatter stage is `training.secagg.SecureSum`: pieces
+quantized with a scale every region agreed on and masked pairwise, so region j learns only
+the sum of piece j; the gather stage is unchanged.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from training.codec import Address, Codec
+from training.secagg import SecureSum, all_to_all_bytes
 from training.session import Session
 from training.topology import Groups, Topology
 
@@ -63,9 +68,14 @@ class HierarchicalAllReduce:
     residuals: dict[int, torch.Tensor] = field(default_factory=dict)
     """bucket -> quantization residuals (R + 1, P), carried to the next step."""
 
+    secure: SecureSum | None = None
+    """The masked scatter stage; set from codec.secure_aggregation (training.secagg)."""
+
     def __post_init__(self) -> None:
         if self.codec.session is None:
             self.codec.bind(Session.unagreed(self.run_id))
+        if self.codec.spec.secure_aggregation and self.topo.regions > 1:
+            self.secure = SecureSum(self.topo, self.groups.cross, self.codec, self.error_feedback)
 
     @property
     def epoch(self) -> int:
@@ -138,22 +148,10 @@ class HierarchicalAllReduce:
         P = pieces.shape[1]
         res = self.residual(bucket, P)  # (R + 1, P)
         peers = topo.peer_ranks(topo.local_rank)  # region j's rank in this cross group
-        sent: list[bytes] = []
-        own = torch.empty(0)
-        for j in range(R):  # stage 1: piece j to region j (own piece: quantized, not sent)
-            to = Address(self.epoch, step, topo.rank, peers[j], bucket, part=j, stage=SCATTER)
-            payload, dec = self._encode(pieces[j], res, j, to, send=j != me)
-            sent.append(payload)
-            if j == me:
-                own = dec
-        got = self._all_to_all_bytes(sent)
-        piece = torch.zeros_like(own)
-        for i in range(R):  # fixed order: every region sums alike
-            if i == me:
-                piece += own
-                continue
-            frm = Address(self.epoch, step, peers[i], topo.rank, bucket, part=me, stage=SCATTER)
-            piece += self.codec.decode(got[i], frm, P)  # (P,): decode checks the size
+        if self.secure is not None:  # stage 1 masked (training.secagg)
+            piece, sent = self.secure.scatter_sum(pieces, res, step, bucket)
+        else:
+            piece, sent = self._scatter_sum(pieces, res, step, bucket)
         # stage 2: the sum of piece me, one payload for every region of the group
         out_to = Address(self.epoch, step, topo.rank, BROADCAST, bucket, part=me, stage=GATHER)
         payload, mine = self._encode(piece, res, R, out_to)
@@ -169,12 +167,38 @@ class HierarchicalAllReduce:
             for i in range(R)
         ]
         self.stats.cross_raw_bytes += 2 * 4 * pieces.shape[1] * (R - 1)
-        self.stats.cross_wire_bytes += sum(map(len, sent)) + len(payload) * (R - 1)
+        self.stats.cross_wire_bytes += sum(sent) + len(payload) * (R - 1)
         per_peer = self.stats.per_peer_wire
         for j in range(R):
             if j != me:
-                per_peer[j] = per_peer.get(j, 0) + len(sent[j]) + len(payload)
+                per_peer[j] = per_peer.get(j, 0) + sent[j] + len(payload)
         return torch.cat(out)[:n]
+
+    def _scatter_sum(
+        self, pieces: torch.Tensor, res: torch.Tensor, step: int, bucket: int
+    ) -> tuple[torch.Tensor, list[int]]:
+        """Stage 1: piece j (encoded) to region j; returns (the sum over regions of piece
+        me (P,), bytes sent to each region). Own piece: quantized, not sent."""
+        topo = self.topo
+        R, me, P = topo.regions, topo.region_index, pieces.shape[1]
+        peers = topo.peer_ranks(topo.local_rank)
+        sent: list[bytes] = []
+        own = torch.empty(0)
+        for j in range(R):
+            to = Address(self.epoch, step, topo.rank, peers[j], bucket, part=j, stage=SCATTER)
+            payload, dec = self._encode(pieces[j], res, j, to, send=j != me)
+            sent.append(payload)
+            if j == me:
+                own = dec
+        got = self._all_to_all_bytes(sent)
+        piece = torch.zeros_like(own)
+        for i in range(R):  # fixed order: every region sums alike
+            if i == me:
+                piece += own
+                continue
+            frm = Address(self.epoch, step, peers[i], topo.rank, bucket, part=me, stage=SCATTER)
+            piece += self.codec.decode(got[i], frm, P)  # (P,): decode checks the size
+        return piece, [len(p) for p in sent]
 
     def residual(self, bucket: int, piece: int) -> torch.Tensor:
         """Error-feedback residuals of a bucket: row j < R for the piece sent to region j,
@@ -204,24 +228,7 @@ class HierarchicalAllReduce:
         return payload, decoded
 
     def _all_to_all_bytes(self, payloads: list[bytes]) -> list[bytes]:
-        g, R = self.groups.cross, self.topo.regions
-        sizes = torch.tensor([len(p) for p in payloads], dtype=torch.int64)
-        got = torch.empty(R, dtype=torch.int64)
-        dist.all_to_all_single(got, sizes, group=g)
-        send = torch.frombuffer(bytearray(b"".join(payloads)) or bytearray(1), dtype=torch.uint8)
-        recv = torch.empty(max(1, int(got.sum())), dtype=torch.uint8)
-        dist.all_to_all_single(
-            recv[: int(got.sum())],
-            send[: int(sizes.sum())],
-            output_split_sizes=got.tolist(),
-            input_split_sizes=sizes.tolist(),
-            group=g,
-        )
-        out, at = [], 0
-        for k in got.tolist():
-            out.append(recv[at : at + k].numpy().tobytes())
-            at += k
-        return out
+        return all_to_all_bytes(payloads, self.groups.cross, self.topo.regions)
 
 
 @dataclass

@@ -66,6 +66,8 @@ class CodecSpec:
     """zstd level after byte-shuffle."""
     cipher: str = "sm4-gcm"
     """sm4-gcm | aes-gcm | none."""
+    secure_aggregation: bool = False
+    """Mask the cross-region scatter stage pairwise (training.secagg); int8 or int4 only."""
 
 
 @dataclass(frozen=True)

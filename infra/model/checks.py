@@ -387,6 +387,28 @@ def _training(m: StackModel, source: str) -> None:
         raise _err(source, "training.diloco", "set inner_steps or interval_minutes, not both")
     if d.interval_minutes is not None and d.interval_minutes <= 0:
         raise _err(source, "training.diloco.interval_minutes", f"{d.interval_minutes} must be > 0")
+    _secure_aggregation(m, source)
+
+
+def _secure_aggregation(m: StackModel, source: str) -> None:
+    """Masks add integers, and with 2 regions the sum less one's own is the other's."""
+    c, path = m.training.compression, "training.compression.secure_aggregation"
+    if not c.secure_aggregation:
+        return
+    if c.quantize not in ("int8", "int4"):
+        raise _err(
+            source,
+            path,
+            f"needs quantize int8 or int4 (masks add integers), not '{c.quantize}'; "
+            "set training.compression.quantize: int8",
+        )
+    if len(m.regions) < 3:
+        raise _err(
+            source,
+            path,
+            f"hides nothing with {len(m.regions)} regions (the sum less a region's own "
+            "contribution is the other's); use 3 or more regions, or set it false",
+        )
 
 
 def _monitoring(m: StackModel, source: str) -> None:

@@ -240,6 +240,9 @@ class Compression(Strict):
     """zstd level after byte-shuffle (1 is the throughput sweet spot)."""
     cipher: Cipher = "sm4-gcm"
     """Payload cipher; CN requires sm4-gcm by default policy."""
+    secure_aggregation: bool = False
+    """Mask each region's contribution pairwise so the summing region sees only the sum
+    (training.secagg; quantize int8/int4, 3+ regions; with diloco: the pseudo-gradients)."""
 
 
 class Diloco(Strict):

@@ -71,6 +71,7 @@ def render_launch_spec(plan: Plan) -> LaunchSpec:
             error_feedback=c.error_feedback,
             zstd_level=c.zstd_level,
             cipher=c.cipher,
+            secure_aggregation=c.secure_aggregation,
         ),
         diloco=DilocoSpec(
             every_steps=t.diloco.every_steps,
