@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import os
 import pickle
+import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
+from queue import Empty
 from typing import Any
 
 import torch
@@ -102,12 +104,7 @@ def run_world(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 1
     results: dict[int, Any] = {}
     errors: dict[int, Any] = {}
     try:
-        for _ in range(world):
-            rank, status, value = queue.get(timeout=timeout)
-            if status == "ok":
-                results[rank] = pickle.loads(value)
-            else:
-                errors[rank] = value
+        _collect(procs, queue, timeout, results, errors)
     finally:
         for p in procs:
             p.join(timeout=5)
@@ -116,6 +113,34 @@ def run_world(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 1
     if errors:
         raise WorldError(errors)
     return [results[r] for r in range(world)]
+
+
+def _collect(
+    procs: list[Any], queue: Any, timeout: float, results: dict[int, Any], errors: dict[int, Any]
+) -> None:
+    """Each rank's report, by rank. A rank that exits without one (os._exit, a signal) is an
+    error as soon as it is seen dead, so a test of a dying rank does not wait out `timeout`."""
+    deadline = time.monotonic() + timeout
+    dead_since: dict[int, float] = {}
+    while len(results) + len(errors) < len(procs):
+        try:
+            rank, status, value = queue.get(timeout=0.2)
+        except Empty:
+            now = time.monotonic()
+            for r, p in enumerate(procs):
+                if r in results or r in errors or p.is_alive():
+                    continue
+                # its report may still be in the pipe: give the queue a second after death
+                if now - dead_since.setdefault(r, now) > 1.0:
+                    errors[r] = ("Died", f"exit code {p.exitcode} before reporting", "")
+            if now > deadline:
+                pending = [r for r in range(len(procs)) if r not in results and r not in errors]
+                raise TimeoutError(f"ranks {pending} did not report within {timeout} s") from None
+            continue
+        if status == "ok":
+            results[rank] = pickle.loads(value)
+        else:
+            errors[rank] = value
 
 
 class WorldError(RuntimeError):
