@@ -128,3 +128,8 @@ class SessionError(GeotrainError):
 
 class RollbackError(CheckpointError):
     """Committed checkpoints went missing or backwards behind the high-water mark."""
+
+
+class PrivacyBudgetSpent(GeotrainError):
+    """A region's differential-privacy budget would be exceeded by the next step; every
+    rank stops at the same step (training.privacy.agreed_stop) and the run ends, exit 2."""

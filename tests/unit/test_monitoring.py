@@ -274,6 +274,7 @@ def _exposition(monkeypatch: pytest.MonkeyPatch | None = None) -> str:
     m.syncs.inc()
     m.link_bytes("frankfurt", 500)
     m.checkpointed(0.02)
+    m.privacy(1.5, 4.0)
     m.tick()
     return generate_latest(m.registry).decode()
 
