@@ -333,6 +333,7 @@ def test_dashboard_has_overview_region_link_and_health_rows() -> None:
         "Region $region",
         "Links",
         "Health",
+        "Privacy",
     ]
     assert rows[1]["repeat"] == "region"
     legends = {t["legendFormat"] for p in dash["panels"] for t in p.get("targets", [])}
