@@ -38,16 +38,22 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-from opacus.accountants import RDPAccountant
-from opacus.accountants.analysis.rdp import compute_rdp, get_privacy_spent
-from opacus.accountants.utils import get_noise_multiplier
 
 from training.errors import DataError, PrivacyBudgetSpent
 from training.spec import LaunchSpec, PrivacySpec
 from training.topology import Topology
 
-ORDERS: list[float] = list(RDPAccountant.DEFAULT_ALPHAS)
-"""Renyi orders the accountant tracks (Opacus's defaults)."""
+# Opacus is imported where it is used: it pulls in scipy (about a second per worker
+# start), which runs without DP never need.
+
+
+def _orders() -> list[float]:
+    """Renyi orders the accountant tracks (Opacus's defaults)."""
+    from opacus.accountants import RDPAccountant
+
+    return list(RDPAccountant.DEFAULT_ALPHAS)
+
+
 Segment = tuple[float, float, int]
 """(noise multiplier, sample rate, steps): Opacus's accountant history entry."""
 
@@ -64,6 +70,8 @@ def calibrate(p: PrivacySpec, sample_rate: float, steps: int) -> float:
     keeps `steps` steps at `sample_rate` within target_epsilon (Opacus, RDP)."""
     if p.noise_multiplier is not None:
         return p.noise_multiplier
+    from opacus.accountants.utils import get_noise_multiplier
+
     return float(
         get_noise_multiplier(
             target_epsilon=p.target_epsilon,
@@ -103,7 +111,9 @@ class Budget:
             rdp = rdp + n * (self._unit if same else _rdp(sigma, q))
         if not np.any(rdp):
             return 0.0
-        eps, _ = get_privacy_spent(orders=ORDERS, rdp=rdp, delta=self.spec.delta)
+        from opacus.accountants.analysis.rdp import get_privacy_spent
+
+        eps, _ = get_privacy_spent(orders=_orders(), rdp=rdp, delta=self.spec.delta)
         return float(eps)
 
     def record(self) -> None:
@@ -130,7 +140,9 @@ class Budget:
 
 def _rdp(sigma: float, rate: float) -> np.ndarray:
     """RDP of one subsampled Gaussian step at every order (Opacus's analysis)."""
-    return np.asarray(compute_rdp(q=rate, noise_multiplier=sigma, steps=1, orders=ORDERS))
+    from opacus.accountants.analysis.rdp import compute_rdp
+
+    return np.asarray(compute_rdp(q=rate, noise_multiplier=sigma, steps=1, orders=_orders()))
 
 
 # -- sampling -------------------------------------------------------------------------
