@@ -131,6 +131,13 @@ def training_facts(plan: Plan) -> dict[str, Any]:
         "cipher": spec.codec.cipher,
         "quantize": spec.codec.quantize,
         "regions": {r.name: r.jurisdiction for r in plan.regions},
+        # each region's DP-SGD budget as the workers run it (None: no DP)
+        "privacy": {
+            r.name: {"target_epsilon": r.privacy.target_epsilon, "delta": r.privacy.delta}
+            if r.privacy
+            else None
+            for r in spec.regions
+        },
         "shards": [
             {"name": s.name, "jurisdiction": s.jurisdiction, "region": s.region}
             for s in m.training.data_shards

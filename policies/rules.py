@@ -57,6 +57,10 @@ def config_from_policy_settings(p: Mapping[str, Any]) -> dict[str, dict[str, Any
         "required-tags": {"tags": list(p["required_tags"])},
         "network-integrity": {},
         "admin-ssh-only": {},
+        "dp-required": {
+            "requiredFor": list(p["dp_required_for"]),
+            "maxEpsilon": p["max_dp_epsilon"],
+        },
     }
 
 
@@ -141,6 +145,35 @@ def encryption_in_transit(args: ResourceValidationArgs, report: Report) -> None:
                 "cross-region gradients must be encrypted (sm4-gcm or aes-gcm)",
                 None,
             )
+
+
+# -- differential privacy ------------------------------------------------------------
+def dp_required(args: ResourceValidationArgs, report: Report) -> None:
+    f = _facts(args, TRAINING)
+    if not f:
+        return
+    cfg = _cfg("dp-required", args)
+    privacy = f.get("privacy") or {}
+    for region, j in f["regions"].items():
+        p = privacy.get(region)
+        if p is None and j in cfg["requiredFor"]:
+            report(
+                f"[dp-required] {_where(args)}: region {region} ({j}) trains without "
+                f"differential privacy but {j} requires it; set privacy: {{target_epsilon: "
+                "...}} on that region in geotrain:regions",
+                None,
+            )
+        elif p is not None and _over(p["target_epsilon"], cfg["maxEpsilon"]):
+            report(
+                f"[dp-required] {_where(args)}: region {region} targets epsilon "
+                f"{float(p['target_epsilon']):g}, above the cap {float(cfg['maxEpsilon']):g}; "
+                "lower its privacy.target_epsilon",
+                None,
+            )
+
+
+def _over(value: Any, cap: Any) -> bool:
+    return cap is not None and float(value) > float(cap)
 
 
 # -- no public exposure ---------------------------------------------------------------
@@ -555,6 +588,13 @@ RESOURCE_POLICIES = [
         "payloads are SM4-GCM encrypted where a jurisdiction requires it.",
         encryption_in_transit,
         Severity.CRITICAL,
+    ),
+    _resource(
+        "dp-required",
+        "Regions of the chosen jurisdictions train with record-level differential privacy "
+        "(DP-SGD), within the epsilon cap.",
+        dp_required,
+        Severity.HIGH,
     ),
     _resource(
         "no-public-exposure",

@@ -150,3 +150,8 @@ class RoundAborted(SecureAggregationError):
     is applied; the worker exits with 3 and the launcher restarts from the checkpoint."""
 
     exit_code = 3
+
+
+class PrivacyBudgetSpent(GeotrainError):
+    """A region's differential-privacy budget would be exceeded by the next step; every
+    rank stops at the same step (training.privacy.agreed_stop) and the run ends, exit 2."""

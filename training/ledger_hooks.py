@@ -136,10 +136,21 @@ def committed(job: Job, step: int) -> None:
         job.ledger.record_checkpoint(job.ckpt.root, job.node, step, _epoch(job))
 
 
+def privacy(job: Job, epsilon: float, delta: float, steps: int) -> None:
+    """The region's DP budget spent so far, every checkpoint interval (and, from `finished`,
+    at the end): the ledger's cadence, not every step."""
+    if job.ledger is not None and job.step % job.spec.checkpoint.interval_steps == 0:
+        job.ledger.record_dp(epsilon, delta, steps)
+
+
 def finished(job: Job, run_dir: Path | None) -> None:
-    """After the run (and `final.pt`, which rank 0 writes): the `end` entry."""
+    """After the run (and `final.pt`, which rank 0 writes): the final DP budget, if the
+    region has one, and the `end` entry."""
     if job.ledger is None:
         return
+    if job.privacy is not None:
+        p = job.privacy
+        job.ledger.record_dp(p.budget.epsilon(), p.spec.delta, p.budget.steps)
     final = run_dir / FINAL if run_dir is not None else None
     mine = job.topo.rank == 0 and final is not None and final.exists()
     params = tensors_sm3(job.model.state_dict().values())  # final.pt's tensors, in order

@@ -25,6 +25,7 @@ GPU_UTIL = "DCGM_FI_DEV_GPU_UTIL"
 GPU_MEM_USED = "DCGM_FI_DEV_FB_USED"
 PROCESS_CPU = "process_cpu_seconds_total"
 PROCESS_RSS = "process_resident_memory_bytes"
-
-# Differential privacy (epsilon spent) comes later: add its name here, export it in
-# training.metrics, and add a panel to infra.render.monitoring.PRIVACY_PANELS.
+PRIVACY_EPSILON = "geotrain_privacy_epsilon"
+"""Epsilon spent by the rank's region so far (DP-SGD, training.privacy); absent without DP."""
+PRIVACY_EPSILON_TARGET = "geotrain_privacy_epsilon_target"
+"""The region's target epsilon (its budget); absent without DP."""

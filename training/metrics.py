@@ -103,6 +103,12 @@ class RuntimeMetrics:
         self.rejected = c(
             mn.REJECTED, "Cross-region payloads and control messages that failed verification"
         )
+        self._epsilon = Gauge(
+            mn.PRIVACY_EPSILON, "Epsilon spent by this region so far (DP-SGD)", LABELS, registry=r
+        )  # no child without DP: absent rather than a misleading 0
+        self._epsilon_target = Gauge(
+            mn.PRIVACY_EPSILON_TARGET, "Target epsilon of this region", LABELS, registry=r
+        )
         self.rejected_total = 0
         """This rank's rejects, including those before a restart (`reject`)."""
         self.serving = False
@@ -137,6 +143,11 @@ class RuntimeMetrics:
             self.rejected.inc(count)
             self.rejected_total += count
         return self.rejected_total
+
+    def privacy(self, epsilon: float, target: float) -> None:
+        """The region's epsilon spent so far, and its budget."""
+        self._epsilon.labels(**self._labels).set(epsilon)
+        self._epsilon_target.labels(**self._labels).set(target)
 
     def checkpointed(self, seconds: float) -> None:
         self._last_ckpt = time.monotonic()

@@ -114,7 +114,8 @@ def summarize(log: EventLog, spec_steps: int) -> dict[str, Any]:
     params, world, regions = start[0]["params"], start[0]["world"], start[0]["regions"]
     by_step: dict[int, list[float]] = {}
     for e in steps:
-        by_step.setdefault(e["step"], []).append(e["loss"])
+        if e["loss"] == e["loss"]:  # NaN: a DP rank drew an empty Poisson sample
+            by_step.setdefault(e["step"], []).append(e["loss"])
     curve = {s: sum(v) / len(v) for s, v in sorted(by_step.items())}
     marks = sorted({1, *(max(1, spec_steps * q // 4) for q in (1, 2, 3)), max(curve)})
     wire = _cross_wire(steps)
@@ -148,6 +149,21 @@ def summarize(log: EventLog, spec_steps: int) -> dict[str, Any]:
             for e in log.of("checkpoint_skipped")
         ],
         "merges": sum(1 for e in steps if e.get("merged")) // max(1, regions),
+        "privacy": privacy_summary(log),
+    }
+
+
+def privacy_summary(log: EventLog) -> dict[str, Any]:
+    """Epsilon spent per DP region (its newest step), and the budget stop, if any."""
+    spent = {
+        e["region"]: {k: e[k] for k in ("epsilon", "epsilon_target", "delta")}
+        for e in _newest([e for e in log.of("step") if "epsilon" in e])
+    }
+    stop = log.of("privacy_budget_spent")
+    return {
+        "epsilon_per_region": spent,
+        "stopped_by": stop[0]["stopped_by"] if stop else None,
+        "stopped_at": stop[0]["step"] if stop else None,
     }
 
 
@@ -188,9 +204,29 @@ def format_report(r: dict[str, Any]) -> str:
         )
     if r["merges"]:
         lines.append(f"global merges           {r['merges']}")
+    lines += _privacy_lines(r.get("privacy") or {})
     for i, f in enumerate(r.get("checkpoint_fallbacks", [])):
         lines.append(f"{'checkpoint fallbacks' if i == 0 else '':24}{_fallback(f)}")
     return "\n".join(lines)
+
+
+def _privacy_lines(p: dict[str, Any]) -> list[str]:
+    spent = p.get("epsilon_per_region") or {}
+    if not spent:
+        return []
+    lines = [
+        "privacy (epsilon spent) "
+        + "  ".join(
+            f"{k} {v['epsilon']:.2f}/{v['epsilon_target']:g} (delta {v['delta']:g})"
+            for k, v in spent.items()
+        )
+    ]
+    if p.get("stopped_by"):
+        lines.append(
+            f"privacy budget          {p['stopped_by']} spent its budget: stopped at step "
+            f"{p['stopped_at']}"
+        )
+    return lines
 
 
 def _fallback(e: dict[str, Any]) -> str:

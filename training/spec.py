@@ -43,6 +43,20 @@ class NodeSpec:
 
 
 @dataclass(frozen=True)
+class PrivacySpec:
+    """DP-SGD inside one region (training.privacy); see infra.model.schema.Privacy."""
+
+    target_epsilon: float
+    """Epsilon the region may spend over the run."""
+    delta: float
+    """Delta of the (epsilon, delta) guarantee."""
+    max_grad_norm: float
+    """Per-record gradient clipping norm C."""
+    noise_multiplier: float | None = None
+    """Fixed noise multiplier (None: calibrated to target_epsilon over the planned steps)."""
+
+
+@dataclass(frozen=True)
 class RegionSpec:
     name: str
     """Region name."""
@@ -52,6 +66,8 @@ class RegionSpec:
     """Nodes in rank order."""
     shards: list[ShardSpec]
     """Data this region reads; never another region's."""
+    privacy: PrivacySpec | None = None
+    """Record-level differential privacy of the region's updates (None: off)."""
 
 
 @dataclass(frozen=True)
@@ -241,6 +257,7 @@ def _from_dict(raw: Any, source: str) -> LaunchSpec:
                 jurisdiction=r["jurisdiction"],
                 nodes=[NodeSpec(**n) for n in r["nodes"]],
                 shards=[ShardSpec(**s) for s in r["shards"]],
+                privacy=PrivacySpec(**r["privacy"]) if r.get("privacy") else None,
             )
             for r in raw["regions"]
         ]

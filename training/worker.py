@@ -32,12 +32,25 @@ from training.checkpoint import (
 )
 from training.codec import Codec
 from training.data import ByteLoader, load_region_text
-from training.errors import DataError, GeotrainError, HostileReject, PayloadRejected, SpecError
+from training.errors import (
+    DataError,
+    GeotrainError,
+    HostileReject,
+    PayloadRejected,
+    SpecError,
+)
 from training.hier import HierarchicalAllReduce
 from training.keys import load_key
 from training.ledger import Ledger
 from training.metrics import RuntimeMetrics
 from training.model import DeepSeekLM, preset
+from training.privacy import (
+    PoissonLoader,
+    RegionPrivacy,
+    Stop,
+    agreed_stop,
+    budget_error,
+)
 from training.session import Control, agree, rendezvous_store
 from training.spec import LaunchSpec, metrics_endpoint
 from training.topology import Groups, Topology, make_groups
@@ -60,7 +73,7 @@ class Job:
     groups: Groups
     model: DeepSeekLM
     opt: torch.optim.Optimizer
-    loader: ByteLoader
+    loader: ByteLoader | PoissonLoader
     sync: HierarchicalAllReduce
     ckpt: Checkpointer
     metrics: RuntimeMetrics
@@ -80,6 +93,8 @@ class Job:
     """Authenticated exchange of the time-based flags over every rank (`_due`)."""
     ledger: Ledger | None = None
     """This region's signed training ledger (region leaders with a run dir only)."""
+    privacy: RegionPrivacy | None = None
+    """DP-SGD of this rank's region (None: the region has no privacy settings)."""
 
     @property
     def leader(self) -> bool:
@@ -200,19 +215,23 @@ def setup(
     sync = HierarchicalAllReduce(
         topo, groups, codec, spec.run_id, error_feedback=spec.codec.error_feedback
     )
+    privacy = RegionPrivacy.for_rank(spec, topo, text, device)
     job = Job(
         spec=spec,
         topo=topo,
         groups=groups,
         model=model,
         opt=torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=0.01),
-        loader=ByteLoader.of(text, spec.batch_size, spec.seq_len, spec.seed * 1000 + rank),
+        loader=privacy.loader
+        if privacy
+        else ByteLoader.of(text, spec.batch_size, spec.seq_len, spec.seed * 1000 + rank),
         sync=sync,
         ckpt=ckpt,
         metrics=RuntimeMetrics(region.name, node.name, rank),
         events=events,
         node=node.name,
         control=Control(key, session, "steps"),
+        privacy=privacy,
     )
     job.metrics.reject(previous_rejects(events, rank))  # the count survives restarts
     job.ledger = ledger_hooks.open_for(spec, topo, key, session, run_dir, node.name)
@@ -304,6 +323,8 @@ def state_dict(job: Job) -> dict[str, Any]:
         "residuals": dict(job.sync.residuals),
         "counters": {"step": job.step, "tokens": job.tokens, "merges": job.merges},
     }
+    if job.privacy is not None:  # the node's own checkpoint: never leaves the region
+        per_rank["privacy"] = job.privacy.state_dict()
     if job.outer is None:
         return {
             "model": job.model.state_dict(),
@@ -339,6 +360,8 @@ def resume(job: Job) -> int | None:
         job.opt.load_state_dict(reg["optim"])
         job.outer.load_state_dict(state["global"]["outer"])
     job.loader.load_state_dict(mine["loader"])
+    if job.privacy is not None:
+        job.privacy.load_state_dict(mine["privacy"])
     torch.set_rng_state(mine["rng"])
     job.sync.residuals = {int(k): v for k, v in mine["residuals"].items()}
     if job.outer is not None:
@@ -481,9 +504,14 @@ def train_step(job: Job) -> None:
     t0 = time.perf_counter()
     sync_before = job.sync.stats.sync_seconds
     tokens = job.loader.next().to(job.groups.device)
-    loss = job.model.loss(tokens)
     job.opt.zero_grad(set_to_none=True)
-    loss.backward()
+    if job.privacy is not None:  # per-record clipped, noised: see training.privacy
+        loss = job.privacy.clipped_noisy_grads(job.model, tokens, job.model.loss)
+        job.privacy.budget.record()
+    else:
+        batch_loss = job.model.loss(tokens)
+        batch_loss.backward()
+        loss = batch_loss.item()
     staged(job)  # the last save's copy of the state must be taken before it changes
     gradient = None
     if job.outer is None:
@@ -503,7 +531,7 @@ def train_step(job: Job) -> None:
         job.last_save = time.monotonic()
     report(
         job,
-        loss.item(),
+        loss,
         time.perf_counter() - t0,
         job.sync.stats.sync_seconds - sync_before,
         merge_due,
@@ -538,7 +566,9 @@ def report(job: Job, loss: float, step_s: float, sync_s: float, merged: bool) ->
         m.ratio.set(st.cross_raw_bytes / st.cross_wire_bytes)
     m.tick()
     if job.leader:
-        extra = {"digest": params_digest(job.model)} if merged else {}
+        extra: dict[str, Any] = {"digest": params_digest(job.model)} if merged else {}
+        if job.privacy is not None:
+            extra.update(privacy_spent(job))
         job.emit(
             "step",
             step=job.step,
@@ -552,6 +582,26 @@ def report(job: Job, loss: float, step_s: float, sync_s: float, merged: bool) ->
             saving=job.ckpt.saving(),
             **extra,
         )
+
+
+def privacy_spent(job: Job) -> dict[str, float]:
+    """The region's epsilon so far: metric, ledger entry, and the step event's fields."""
+    p = job.privacy
+    assert p is not None  # called only with DP on
+    eps = p.budget.epsilon()
+    job.metrics.privacy(eps, p.spec.target_epsilon)
+    ledger_hooks.privacy(job, eps, p.spec.delta, p.budget.steps)
+    return {"epsilon": eps, "epsilon_target": p.spec.target_epsilon, "delta": p.spec.delta}
+
+
+def last_step(job: Job) -> Stop:
+    """Steps to run, and the region whose privacy budget ends the run first, if any:
+    agreed by every rank once the checkpoint's privacy history is loaded."""
+    steps = job.spec.steps
+    if not any(r.privacy for r in job.spec.regions):
+        return Stop(steps, None)
+    offer = job.privacy.offer(steps) if job.privacy else (steps, 0.0, 0.0, 0.0)
+    return agreed_stop(offer, job.topo.region_index, steps)
 
 
 def run(
@@ -575,7 +625,8 @@ def run(
         resumed = resume(job)
         if resumed is not None:
             job.emit("resume", step=resumed)
-        while job.step < spec.steps:
+        stop = last_step(job)
+        while job.step < stop.step:
             train_step(job)
     except PayloadRejected as e:
         rejected(job, e)
@@ -595,6 +646,11 @@ def run(
         )
     dist.barrier()
     dist.destroy_process_group()
+    if stop.region is not None:  # every rank got here at the same step: a clean stop, exit 2
+        if job.topo.rank == 0:  # once per run
+            name = spec.regions[stop.region].name
+            job.emit("privacy_budget_spent", step=job.step, stopped_by=name)
+        raise budget_error(stop, spec)
 
 
 def main(argv: list[str] | None = None) -> None:

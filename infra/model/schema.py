@@ -177,6 +177,21 @@ class Pool(Strict):
     """Settings for kind aws, gcp and alicloud."""
 
 
+class Privacy(Strict):
+    """Record-level differential privacy (DP-SGD) of one region's updates (docs/privacy.md).
+    A record is one training window (seq_len + 1 bytes) of the region's data."""
+
+    target_epsilon: float = Field(gt=0, le=100)
+    """Epsilon the region may spend over the whole run (e.g. 1, 4 or 8)."""
+    delta: float = Field(default=1e-6, gt=0, lt=1)
+    """Delta of the (epsilon, delta) guarantee; keep it below 1 / records (the worker warns)."""
+    max_grad_norm: float = Field(default=1.0, gt=0)
+    """Clipping norm C of each record's gradient."""
+    noise_multiplier: float | None = Field(default=None, gt=0)
+    """Fixed noise std / C (default: the smallest that keeps training.steps within
+    target_epsilon); with a fixed one, training stops when the budget is spent."""
+
+
 class Region(Strict):
     name: str = Field(pattern=NAME_PATTERN)
     """Region name, unique in the stack (e.g. beijing)."""
@@ -188,6 +203,8 @@ class Region(Strict):
     """Private BGP ASN of the region's gateway (RFC 6996 16-bit range)."""
     pool: Pool
     """Where the region's GPUs are."""
+    privacy: Privacy | None = None
+    """DP-SGD on the region's records, with its own budget (None: no DP)."""
 
 
 class Link(Strict):
@@ -409,6 +426,10 @@ class Policy(Strict):
     """Checkpoints at least this often."""
     min_checkpoint_keep: int = 2
     """Checkpoints to keep at least."""
+    dp_required_for: list[Jurisdiction] = Field(default_factory=list)
+    """Jurisdictions whose regions must train with differential privacy (regions[].privacy)."""
+    max_dp_epsilon: float | None = Field(default=None, gt=0)
+    """Largest target_epsilon a DP region may set (default: no cap)."""
     required_tags: list[str] = Field(default_factory=lambda: ["owner", "cost-centre"])
     """Tags every resource must carry (jurisdiction is added per region)."""
 

@@ -490,9 +490,17 @@ HEALTH: tuple[tuple[str, list[tuple[str, str]], str], ...] = (
         "none",
     ),
 )
-PRIVACY_PANELS: tuple[tuple[str, list[tuple[str, str]], str], ...] = ()
-"""Hook for differential privacy: (title, [(expr, legend)], unit) of the epsilon-spent
-panels, once the runtime exports it. The row is rendered only when this is non-empty."""
+PRIVACY_PANELS: tuple[tuple[str, list[tuple[str, str]], str], ...] = (
+    (
+        "Epsilon spent per region (DP-SGD)",
+        [
+            (f"max by (region) ({mn.PRIVACY_EPSILON})", "{{region}} spent"),
+            (f"max by (region) ({mn.PRIVACY_EPSILON_TARGET})", "{{region}} target"),
+        ],
+        "none",
+    ),
+)
+"""The epsilon-spent panel (regions without DP have no series, so no line)."""
 
 
 def _region_panels(plan: Plan) -> tuple[tuple[str, list[tuple[str, str]], str], ...]:

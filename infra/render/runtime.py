@@ -3,6 +3,7 @@ manifests: infra/render/k8s.py)."""
 
 from __future__ import annotations
 
+from infra.model.schema import Privacy
 from infra.plan import Plan, PlanNode
 from training.spec import (
     CheckpointSpec,
@@ -10,6 +11,7 @@ from training.spec import (
     DilocoSpec,
     LaunchSpec,
     NodeSpec,
+    PrivacySpec,
     RegionSpec,
     ShardSpec,
 )
@@ -46,6 +48,7 @@ def render_launch_spec(plan: Plan) -> LaunchSpec:
                 for s in t.data_shards
                 if s.region == r.name
             ],
+            privacy=_privacy(m.region(r.name).privacy),
         )
         for r in plan.regions
     ]
@@ -90,6 +93,12 @@ def render_launch_spec(plan: Plan) -> LaunchSpec:
         metrics_bind="private" if mon.bind_address == "private" else mon.bind_address,
         max_restarts=t.max_restarts,
     )
+
+
+def _privacy(p: Privacy | None) -> PrivacySpec | None:
+    if p is None:
+        return None
+    return PrivacySpec(p.target_epsilon, p.delta, p.max_grad_norm, p.noise_multiplier)
 
 
 def render_worker_unit(plan: Plan, node: PlanNode) -> str:

@@ -274,6 +274,7 @@ def _exposition(monkeypatch: pytest.MonkeyPatch | None = None) -> str:
     m.syncs.inc()
     m.link_bytes("frankfurt", 500)
     m.checkpointed(0.02)
+    m.privacy(1.5, 4.0)
     m.tick()
     return generate_latest(m.registry).decode()
 
@@ -332,6 +333,7 @@ def test_dashboard_has_overview_region_link_and_health_rows() -> None:
         "Region $region",
         "Links",
         "Health",
+        "Privacy",
     ]
     assert rows[1]["repeat"] == "region"
     legends = {t["legendFormat"] for p in dash["panels"] for t in p.get("targets", [])}

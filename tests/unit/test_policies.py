@@ -53,7 +53,7 @@ def _training(**change: Any) -> dict[str, Any]:
 
 
 def test_every_rule_is_named_described_and_mandatory_by_default() -> None:
-    assert len(POLICY) == 9
+    assert len(POLICY) == 10
     for p in ALL:
         assert p.name == p.name.lower() and " " not in p.name
         assert p.description and p.severity is not None
