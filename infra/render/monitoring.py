@@ -12,6 +12,7 @@ from __future__ import annotations
 import bisect
 import json
 import math
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -624,9 +625,23 @@ class MonitoringFile:
     """Owner of the installed file (mode 0644)."""
 
 
+_RENDERED: tuple[weakref.ref[Plan], list[MonitoringFile]] | None = None
+"""The last plan's files: every host's bundle asks for them (48 hosts: 48 renders of the
+same promtool tests, 40 s, before this). Plans are frozen, so the same object, same files."""
+
+
 def monitoring_files(plan: Plan) -> list[MonitoringFile]:
     """Every monitoring file with its host and place. Node-exporter and dcgm-exporter
     settings go to ssh nodes only (local and lab run no exporters)."""
+    global _RENDERED
+    if _RENDERED is not None and _RENDERED[0]() is plan:
+        return list(_RENDERED[1])
+    files = _monitoring_files(plan)
+    _RENDERED = (weakref.ref(plan), files)
+    return list(files)
+
+
+def _monitoring_files(plan: Plan) -> list[MonitoringFile]:
     mon_node = plan.monitoring_host.name
     mon = plan.monitoring
     prom, am, graf = "prometheus.service", "prometheus-alertmanager.service", "grafana-server"
