@@ -59,8 +59,22 @@ def _read(uri: str, name: str, index: int, regions: int) -> bytes:
     raise DataError(f"shard {name}: unsupported uri '{uri}'; use pydoc-topics:auto or file:")
 
 
+class Position:
+    """A loader's place in its data, for checkpoints: batches drawn and its generator."""
+
+    drawn: int
+    gen: torch.Generator
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"drawn": self.drawn, "rng": self.gen.get_state()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.drawn = int(state["drawn"])
+        self.gen.set_state(state["rng"])
+
+
 @dataclass
-class ByteLoader:
+class ByteLoader(Position):
     """Random windows of T+1 bytes; the position (batches drawn + RNG) is checkpointable."""
 
     data: torch.Tensor  # (N,) uint8
@@ -85,10 +99,3 @@ class ByteLoader:
         idx = start[:, None] + torch.arange(self.seq_len + 1)[None, :]
         self.drawn += 1
         return self.data[idx].long()
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"drawn": self.drawn, "rng": self.gen.get_state()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.drawn = int(state["drawn"])
-        self.gen.set_state(state["rng"])

@@ -39,6 +39,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from training.data import Position
 from training.errors import DataError, PrivacyBudgetSpent
 from training.spec import LaunchSpec, PrivacySpec
 from training.topology import Topology
@@ -141,7 +142,7 @@ def _rdp(sigma: float, rate: float) -> np.ndarray:
 
 # -- sampling -------------------------------------------------------------------------
 @dataclass
-class PoissonLoader:
+class PoissonLoader(Position):
     """Poisson sampling of a region's windows for one of its L ranks. The region's N window
     starts are dealt round-robin to its ranks; a rank takes each of its own starts
     independently with probability `rate`, so the region's batch is a Poisson sample of
@@ -171,13 +172,6 @@ class PoissonLoader:
         idx = start[:, None] + torch.arange(self.seq_len + 1)[None, :]
         self.drawn += 1
         return self.data[idx].long()
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"drawn": self.drawn, "rng": self.gen.get_state()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.drawn = int(state["drawn"])
-        self.gen.set_state(state["rng"])
 
 
 def _distinct(n: int, k: int, gen: torch.Generator) -> torch.Tensor:
