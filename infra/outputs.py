@@ -10,3 +10,6 @@ GRAFANA_URL = "grafana_url"
 """Grafana on the monitoring host ('' when the stack runs none)."""
 GRAFANA_ADMIN_PASSWORD = "grafana_admin_password"
 """The admin password the engine made (a secret; '' when the stack sets its own)."""
+HOSTS = "hosts"
+"""Every host of the stack's host pools (ssh and cloud; local and lab are this machine):
+{node: {region, public_ip, private_ip}}; a cloud instance's public IP is known once made."""

@@ -38,7 +38,23 @@ def program(model: StackModel) -> dict[str, Any]:
         outputs.PROMETHEUS_URL: monitoring.prometheus_url,
         outputs.GRAFANA_URL: monitoring.grafana_url,
         outputs.GRAFANA_ADMIN_PASSWORD: ctx.grafana_password or "",
+        outputs.HOSTS: hosts(ctx),
     }
     for key, value in exports.items():
         pulumi.export(key, value)
     return exports
+
+
+def hosts(ctx: BackendContext) -> dict[str, Any]:
+    """The HOSTS output: where the operator (and `ssh`) reaches each host, and its private
+    address, for the host pools; the public IPs of cloud instances are outputs of theirs."""
+    return {
+        n.name: {
+            "region": r.name,
+            "public_ip": ctx.addresses.get(n.name) or n.address,
+            "private_ip": n.private_ip,
+        }
+        for r in ctx.plan.regions
+        if r.kind not in ("local", "lab", "kubernetes")
+        for n in r.nodes
+    }

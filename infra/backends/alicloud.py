@@ -100,7 +100,22 @@ class AlicloudApi:
             instance_id=conn.id,
             opts=pulumi.ResourceOptions(parent=parent.resource, provider=b.provider),
         )
-        return [conn, accept]
+        # each side reaches the other's gateway (the tunnel's underlay) through the peering;
+        # a /32, so the overlay's routes to the peer's subnet (via the gateway) stay
+        routes = [
+            alicloud.vpc.RouteEntry(
+                f"{name}-route-{x.args.region.name}",
+                route_table_id=x.handles["vpc"].route_table_id,
+                destination_cidrblock=f"{y.args.region.gateway.private_ip}/32",
+                nexthop_type="VpcPeer",
+                nexthop_id=conn.id,
+                opts=pulumi.ResourceOptions(
+                    parent=parent.resource, provider=x.provider, depends_on=[accept]
+                ),
+            )
+            for x, y in ((a, b), (b, a))
+        ]
+        return [conn, accept, *routes]
 
 
 def _ingress(b: Built, rule: Rule) -> list[pulumi.Resource]:

@@ -130,7 +130,22 @@ class AwsApi:
             tags=_tags(b.args, "peering"),
             opts=pulumi.ResourceOptions(parent=parent.resource, provider=b.provider),
         )
-        return [conn, accept]
+        # each side reaches the other's gateway (the tunnel's underlay, plan._underlay)
+        # through the peering; a /32, so the overlay's routes to the peer's whole subnet
+        # (next hop: this region's gateway) stay as they are
+        routes = [
+            aws.ec2.Route(
+                f"{name}-route-{x.args.region.name}",
+                route_table_id=x.handles["table"].id,
+                destination_cidr_block=f"{y.args.region.gateway.private_ip}/32",
+                vpc_peering_connection_id=conn.id,
+                opts=pulumi.ResourceOptions(
+                    parent=parent.resource, provider=x.provider, depends_on=[accept]
+                ),
+            )
+            for x, y in ((a, b), (b, a))
+        ]
+        return [conn, accept, *routes]
 
 
 def _tags(args: RegionArgs, role: str) -> dict[str, str]:

@@ -249,12 +249,13 @@ def base_rules(args: RegionArgs) -> list[Rule]:
 
 def wireguard_rules(ctx: BackendContext, region: PlanRegion) -> list[Rule]:
     """WireGuard UDP on the gateway's listen port of each tunnel, from that tunnel's peer
-    gateway only (its public IP once deployed, else the address the stack gives it)."""
+    gateway only: its private address over a native peering, else its public IP once
+    deployed (or the address the stack gives it)."""
     out = []
     for t in ctx.plan.tunnels_of(region.name):
         end = t.side(region.name)
         peer = ctx.plan.region(end.peer).gateway
-        ip = ctx.addresses.get(peer.name) or peer.address
+        ip = end.peer_underlay or ctx.addresses.get(peer.name) or peer.address
         cidr = pulumi.Output.concat(ip, "/32")
         out.append(Rule(f"wg-{end.peer}", "udp", (end.port, end.port), (cidr,), True))
     return out

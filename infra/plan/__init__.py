@@ -300,7 +300,17 @@ def _underlay(
         assert net30 is not None  # checks.py bounds links by transfer_cidr; underlay is larger
         hosts = list(net30.hosts())
         return str(hosts[0]), str(hosts[1])
-    return regions[link.a].gateway.address, regions[link.b].gateway.address
+    a, b = regions[link.a], regions[link.b]
+    if _peered(a, b):  # the native peering is the underlay: tunnels use private addresses
+        return a.gateway.private_ip, b.gateway.private_ip
+    return a.gateway.address, b.gateway.address
+
+
+def _peered(a: PlanRegion, b: PlanRegion) -> bool:
+    """Two regions of the same cloud that both ask for native peering (checks.py allows it
+    on aws and alicloud only): their gateways reach each other on private addresses."""
+    cloud = a.kind in CLOUD_KINDS and a.kind == b.kind
+    return cloud and a.pool.cloud.peering and b.pool.cloud.peering
 
 
 def _shaped(link: Link, kind: str) -> bool:

@@ -18,6 +18,7 @@ import pytest
 from click.testing import CliRunner
 
 from geotrain.cli import cli
+from infra import outputs
 from infra.backends.cloud import cloud_init, public_key
 from infra.mocks import Recording, Registered, run_under_mocks
 from infra.model import load_stack
@@ -137,6 +138,11 @@ def test_agents_reach_the_public_ips_and_every_agent_gets_every_address(rec: Rec
         assert a.inputs["connection"]["host"] == addresses[node]
     copies = rec.by_type("command:remote:CopyToRemote")
     assert {c.inputs["connection"]["host"] for c in copies} == set(addresses.values())
+    # and the stack outputs them, with the private addresses, for the operator
+    hosts = rec.outputs[outputs.HOSTS]
+    assert {n: h["public_ip"] for n, h in hosts.items()} == addresses
+    assert hosts["fra-1"]["region"] == "frankfurt"
+    assert hosts["fra-1"]["private_ip"] == build_plan(load_stack(STACK)).node("fra-1").private_ip
     # one run key for the stack, though three backends deliver
     assert len(rec.by_type("random:index/randomBytes:RandomBytes")) == 1
 
@@ -326,6 +332,26 @@ def test_same_cloud_regions_can_peer_their_vpcs_under_the_overlay() -> None:
     assert conn.inputs["vpcId"].startswith("vpc-") and conn.inputs["peerVpcId"].startswith("vpc-")
     # the overlay stays on top: tunnels and keys as without peering
     assert len([r for r in rec.resources if r.name.endswith("-wgkey")]) == 2
+    # ... but under it the peering: each side routes the other's gateway (/32) through it,
+    # the tunnel's endpoints are the gateways' private addresses, and each firewall admits
+    # WireGuard from the peer gateway's private address only
+    plan = build_plan(_two_aws_regions(peering=True))
+    gw = {r.name: r.gateway.private_ip for r in plan.regions}
+    routes = {
+        r.inputs["destinationCidrBlock"]: r
+        for r in rec.by_type("aws:ec2/route:Route")
+        if "vpcPeeringConnectionId" in r.inputs
+    }
+    assert set(routes) == {f"{ip}/32" for ip in gw.values()}
+    [t] = plan.tunnels
+    assert (t.a_underlay, t.b_underlay) == (gw[t.a], gw[t.b])
+    wg = [
+        r.inputs["cidrIpv4"]
+        for r in rec.by_type("aws:vpc/securityGroupIngressRule:SecurityGroupIngressRule")
+        if r.inputs.get("ipProtocol") == "udp"
+    ]
+    assert sorted(wg) == sorted(f"{ip}/32" for ip in gw.values())
+
     inst = next(r for r in rec.by_type(INSTANCE["aws"]) if r.name == "oregon-pool-or-1")
     assert inst.inputs["instanceMarketOptions"]["marketType"] == "spot"
     assert "placementGroup" not in inst.inputs
@@ -333,6 +359,11 @@ def test_same_cloud_regions_can_peer_their_vpcs_under_the_overlay() -> None:
     # the zone AWS says offers the type, asked through the region's provider
     [subnet] = [r for r in rec.by_type("aws:ec2/subnet:Subnet") if r.name.startswith("oregon")]
     assert subnet.inputs["availabilityZone"] == "us-west-2a"
+
+
+def test_without_peering_tunnels_take_the_public_ips_filled_at_deploy() -> None:
+    [t] = build_plan(_two_aws_regions()).tunnels
+    assert (t.a_underlay, t.b_underlay) == ("", "")  # `<address of NODE>` in the bundles
 
 
 # -- broken inputs: exit 2, one line: file, key path, value, fix ------------------------

@@ -114,4 +114,5 @@ def test_outputs_are_the_shared_constants(stack: str) -> None:
         outputs.PROMETHEUS_URL,
         outputs.GRAFANA_URL,
         outputs.GRAFANA_ADMIN_PASSWORD,
+        outputs.HOSTS,
     }
