@@ -121,13 +121,14 @@ def hasher(job: Job) -> TensorHasher:
 def merged(job: Job, pseudo_gradient: TensorHasher) -> None:
     """diloco, after a merge: the region's pseudo-gradient (its buckets in order, as
     sent) and the merged parameters (the same in every region)."""
-    if job.ledger is None:
+    if job.ledger is None or job.diloco is None:
         return
+    d = job.diloco
     subject = {
         f"pseudo-gradient/{job.topo.region}": {"sm3": pseudo_gradient.hexdigest()},
-        "params": {"sm3": tensors_sm3(job.global_params)},
+        "params": {"sm3": tensors_sm3(d.global_params)},
     }
-    job.ledger.append("merge", subject, step=job.step + 1, merge=job.merges, epoch=_epoch(job))
+    job.ledger.append("merge", subject, step=job.step + 1, merge=d.merges, epoch=_epoch(job))
 
 
 def committed(job: Job, step: int) -> None:

@@ -96,6 +96,8 @@ class DilocoSpec:
     """Outer Nesterov learning rate."""
     outer_momentum: float = 0.9
     """Outer Nesterov momentum."""
+    warmup_steps: int = 0
+    """First steps synced every step across regions before DiLoCo starts (training.diloco)."""
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,7 @@ from training.checkpoint import (
 )
 from training.codec import Codec
 from training.data import ByteLoader, load_region_text
+from training.diloco import DiLoCo
 from training.errors import (
     DataError,
     GeotrainError,
@@ -79,13 +80,11 @@ class Job:
     metrics: RuntimeMetrics
     events: Path | None
     node: str
-    outer: torch.optim.Optimizer | None = None
-    global_params: list[torch.Tensor] = field(default_factory=list)
+    diloco: DiLoCo | None = None
+    """The global weights, outer optimizer and merge (sync: diloco; None: allreduce)."""
     step: int = 0
     tokens: int = 0
-    merges: int = 0
     started: float = field(default_factory=time.monotonic)
-    last_merge: float = field(default_factory=time.monotonic)
     last_save: float = field(default_factory=time.monotonic)
     reported: dict[str, int] = field(default_factory=dict)
     """Byte counters already added to the Prometheus counters."""
@@ -242,11 +241,8 @@ def setup(
 
     ckpt.on_commit = on_commit
     if spec.sync == "diloco":
-        job.global_params = [p.detach().clone() for p in model.parameters()]
-        m = spec.diloco.outer_momentum
-        job.outer = torch.optim.SGD(  # Nesterov needs momentum; 0 is a plain outer SGD step
-            job.global_params, lr=spec.diloco.outer_lr, momentum=m, nesterov=m > 0
-        )
+        buckets = _buckets(list(model.parameters()), spec.bucket_mb)
+        job.diloco = DiLoCo(buckets, spec.diloco, sync, sync.residuals)
     prime(job)
     job.metrics.serve(*metrics_endpoint(spec, node, local_rank))
     return job
@@ -303,8 +299,8 @@ def prime(job: Job) -> None:
     """Every stateful part at its final shape before a resume or the first save: DCP
     loads into the template it is given, and silently skips what the template lacks."""
     prime_optimizer(job.opt)
-    if job.outer is not None:
-        prime_optimizer(job.outer)
+    if job.diloco is not None:
+        prime_optimizer(job.diloco.outer)
     if job.sync.error_feedback:
         L = job.topo.local_size
         R = job.topo.regions
@@ -321,11 +317,11 @@ def state_dict(job: Job) -> dict[str, Any]:
         "loader": job.loader.state_dict(),
         "rng": torch.get_rng_state(),
         "residuals": dict(job.sync.residuals),
-        "counters": {"step": job.step, "tokens": job.tokens, "merges": job.merges},
+        "counters": {"step": job.step, "tokens": job.tokens, "merges": merges(job)},
     }
     if job.privacy is not None:  # the node's own checkpoint: never leaves the region
         per_rank["privacy"] = job.privacy.state_dict()
-    if job.outer is None:
+    if job.diloco is None:
         return {
             "model": job.model.state_dict(),
             "optim": job.opt.state_dict(),
@@ -333,12 +329,13 @@ def state_dict(job: Job) -> dict[str, Any]:
         }
     return {
         f"region{t.region_index}": {"model": job.model.state_dict(), "optim": job.opt.state_dict()},
-        "global": {
-            "params": {str(i): p for i, p in enumerate(job.global_params)},
-            "outer": job.outer.state_dict(),
-        },
+        "global": job.diloco.state_dict(),
         f"rank{t.rank}": per_rank,
     }
+
+
+def merges(job: Job) -> int:
+    return job.diloco.merges if job.diloco is not None else 0
 
 
 def resume(job: Job) -> int | None:
@@ -351,25 +348,24 @@ def resume(job: Job) -> int | None:
     state = state_dict(job)
     job.ckpt.load(d, state)
     mine = state[f"rank{job.topo.rank}"]
-    if job.outer is None:
+    if job.diloco is None:
         job.model.load_state_dict(state["model"])
         job.opt.load_state_dict(state["optim"])
     else:
         reg = state[f"region{job.topo.region_index}"]
         job.model.load_state_dict(reg["model"])
         job.opt.load_state_dict(reg["optim"])
-        job.outer.load_state_dict(state["global"]["outer"])
+        job.diloco.load_state_dict(state["global"])
     job.loader.load_state_dict(mine["loader"])
     if job.privacy is not None:
         job.privacy.load_state_dict(mine["privacy"])
     torch.set_rng_state(mine["rng"])
     job.sync.residuals = {int(k): v for k, v in mine["residuals"].items()}
-    if job.outer is not None:
-        with torch.no_grad():  # DCP filled the global params in place; sync the copy list
-            for g, v in zip(job.global_params, state["global"]["params"].values(), strict=True):
-                g.copy_(v)
     c = mine["counters"]
-    job.step, job.tokens, job.merges = int(c["step"]), int(c["tokens"]), int(c["merges"])
+    job.step, job.tokens = int(c["step"]), int(c["tokens"])
+    if job.diloco is not None:
+        job.diloco.residuals = job.sync.residuals
+        job.diloco.merges = int(c["merges"])
     job.metrics.restarts.inc()
     return step_of(d)
 
@@ -434,28 +430,12 @@ def region_average_grads(job: Job) -> None:
 
 
 def merge(job: Job) -> None:
-    """The periodic global merge: outer Nesterov step on the averaged pseudo-gradient
-    (global - local), sent through the same quantize/zstd/SM4 codec."""
-    assert job.outer is not None  # only called in diloco mode
-    local = [p.detach() for p in job.model.parameters()]
-    buckets = _buckets(list(job.model.parameters()), job.spec.bucket_mb)
+    """The periodic global merge (training.diloco), signed into the ledger."""
+    assert job.diloco is not None  # only called in diloco mode
     pg = ledger_hooks.hasher(job)  # the region's pseudo-gradient, for the ledger
-    i = 0
-    for b, params in enumerate(buckets):
-        gl = job.global_params[i : i + len(params)]
-        delta = torch.cat([(g - p.detach()).reshape(-1) for g, p in zip(gl, params, strict=True)])
-        pg.update(delta)
-        avg = job.sync.all_reduce(delta, step=job.step, bucket=b)
-        _scatter(avg, _grads(gl))
-        i += len(params)
-    job.outer.step()
-    with torch.no_grad():
-        for p, g in zip(local, job.global_params, strict=True):
-            p.copy_(g)
-    job.merges += 1
+    job.diloco.merge(job.step, pg)
     ledger_hooks.merged(job, pg)
     job.metrics.merges.inc()
-    job.last_merge = time.monotonic()
 
 
 def params_digest(model: torch.nn.Module) -> str:
@@ -467,18 +447,13 @@ def params_digest(model: torch.nn.Module) -> str:
 
 def _due(job: Job) -> tuple[bool, bool]:
     """(merge due, checkpoint due) after the current step; every rank gets the same answer."""
-    s, spec = job.step + 1, job.spec
-    last = s == spec.steps
-    merge_due = spec.sync == "diloco" and (
-        last or (spec.diloco.every_steps is not None and s % spec.diloco.every_steps == 0)
-    )
-    ckpt_due = s % spec.checkpoint.interval_steps == 0 and not last
+    s, spec, d = job.step + 1, job.spec, job.diloco
+    merge_due = d is not None and d.due(job.step, spec.steps)
+    ckpt_due = s % spec.checkpoint.interval_steps == 0 and s != spec.steps
     if s % CONTROL_EVERY == 0:  # time-based triggers: agree across ranks (MAX)
         now = time.monotonic()
         mine = [
-            spec.sync == "diloco"
-            and spec.diloco.interval_minutes is not None
-            and now - job.last_merge >= 60 * spec.diloco.interval_minutes,
+            d is not None and d.time_due(job.step, now),
             now - job.last_save >= 60 * spec.checkpoint.interval_minutes,
         ]
         assert job.control is not None  # set by setup
@@ -514,13 +489,15 @@ def train_step(job: Job) -> None:
         loss = batch_loss.item()
     staged(job)  # the last save's copy of the state must be taken before it changes
     gradient = None
-    if job.outer is None:
+    if job.diloco is None or job.diloco.warming(job.step):
         gradient = ledger_hooks.region_gradient(job)  # None unless a recorded step
         sync_grads(job)
     else:
         region_average_grads(job)
     job.opt.step()
     ledger_hooks.synced(job, gradient)
+    if job.diloco is not None:
+        job.diloco.step_done(job.step)  # the end of the warm-up takes the global copy
     merge_due, ckpt_due = _due(job)
     if merge_due:
         merge(job)
@@ -560,7 +537,7 @@ def report(job: Job, loss: float, step_s: float, sync_s: float, merged: bool) ->
         m.link_bytes(job.topo.region_names[peer], n - job.reported.get(key, 0))
         now[key] = n
     job.reported = now
-    if job.outer is None or merged:
+    if job.diloco is None or merged or job.diloco.warming(job.step - 1):
         m.syncs.inc()
     if st.cross_wire_bytes:
         m.ratio.set(st.cross_raw_bytes / st.cross_wire_bytes)

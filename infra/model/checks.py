@@ -387,6 +387,13 @@ def _training(m: StackModel, source: str) -> None:
         raise _err(source, "training.diloco", "set inner_steps or interval_minutes, not both")
     if d.interval_minutes is not None and d.interval_minutes <= 0:
         raise _err(source, "training.diloco.interval_minutes", f"{d.interval_minutes} must be > 0")
+    if d.warmup_steps >= m.training.steps:
+        raise _err(
+            source,
+            "training.diloco.warmup_steps",
+            f"{d.warmup_steps} must be < training.steps ({m.training.steps}): DiLoCo would "
+            "never start; lower it or use sync: allreduce",
+        )
     _secure_aggregation(m, source)
 
 

@@ -271,6 +271,8 @@ class Diloco(Strict):
     """Outer Nesterov learning rate."""
     outer_momentum: float = Field(default=0.9, ge=0, lt=1)
     """Outer momentum, Nesterov when > 0; 0 makes the outer step plain SGD."""
+    warmup_steps: int = Field(default=0, ge=0)
+    """First steps synced every step (as sync: allreduce) before DiLoCo starts; < steps."""
 
     @property
     def every_steps(self) -> int | None:

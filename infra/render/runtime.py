@@ -81,6 +81,7 @@ def render_launch_spec(plan: Plan) -> LaunchSpec:
             interval_minutes=t.diloco.interval_minutes,
             outer_lr=t.diloco.outer_lr,
             outer_momentum=t.diloco.outer_momentum,
+            warmup_steps=t.diloco.warmup_steps,
         ),
         checkpoint=CheckpointSpec(
             dir=plan.path(t.checkpoint.dir),
