@@ -33,6 +33,13 @@ def validate(stack: str) -> None:
         f"{m.stack}: ok - {len(plan.regions)} regions, {len(plan.nodes)} nodes, "
         f"{gpus} workers, {len(plan.tunnels)} links, run {plan.run_id}"
     )
+    if m.training.sync == "diloco":
+        from training.diloco import outer_hint
+
+        d = m.training.diloco
+        hint = outer_hint(len(plan.regions), d.outer_lr, d.outer_momentum)
+        if hint:
+            click.echo(hint)
 
 
 @cli.command()

@@ -130,6 +130,33 @@ class DiLoCo:
                 g.copy_(v)
 
 
+OUTER_LR_ANCHORS = ((4, 0.6), (8, 0.8))
+"""(replicas, best outer lr) anchors of issue #16 for Nesterov momentum 0.9; not measured
+by geotrain (docs/architecture.md, "DiLoCo outer optimizer")."""
+
+
+def suggested_outer_lr(regions: int) -> float:
+    """The outer lr rule: 0.6 up to 4 regions (replicas), 0.8 from 8, linear between."""
+    (r0, lr0), (r1, lr1) = OUTER_LR_ANCHORS
+    if regions <= r0:
+        return lr0
+    if regions >= r1:
+        return lr1
+    return lr0 + (lr1 - lr0) * (regions - r0) / (r1 - r0)
+
+
+def outer_hint(regions: int, outer_lr: float, outer_momentum: float) -> str | None:
+    """A `geotrain validate` hint when the outer optimizer is far from the rule (None: near)."""
+    lr = suggested_outer_lr(regions)
+    if abs(outer_lr - lr) <= 0.1 + 1e-9 and outer_momentum == 0.9:
+        return None
+    return (
+        f"hint: training.diloco outer_lr {outer_lr:g}, outer_momentum {outer_momentum:g} with "
+        f"{regions} regions; the rule suggests outer_lr {lr:.2f} with Nesterov momentum 0.9 "
+        "(docs/architecture.md, DiLoCo outer optimizer)"
+    )
+
+
 def _set_grads(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
     """Give each tensor its slice of `flat` as gradient (the outer optimizer's input)."""
     i = 0

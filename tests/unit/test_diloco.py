@@ -8,11 +8,13 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from click.testing import CliRunner
 
+from geotrain.cli import cli
 from training.codec import Codec
-from training.diloco import DiLoCo
+from training.diloco import DiLoCo, outer_hint, suggested_outer_lr
 from training.hier import HierarchicalAllReduce
-from training.spec import CodecSpec, DilocoSpec
+from training.spec import CodecSpec, DilocoSpec, LaunchSpec
 from training.testing import make_spec, run_world
 from training.topology import Groups, Topology, make_groups
 from training.worker import _buckets, hierarchical_step
@@ -178,3 +180,52 @@ def test_schedule_counts_merges_from_the_end_of_the_warmup() -> None:
 class _NoSync:
     def all_reduce(self, x: torch.Tensor, step: int, bucket: int = 0) -> torch.Tensor:
         return x
+
+
+def test_outer_lr_rule_rises_with_regions_between_the_anchors() -> None:
+    assert [suggested_outer_lr(r) for r in (1, 2, 4, 6, 8, 16)] == [0.6, 0.6, 0.6, 0.7, 0.8, 0.8]
+    assert outer_hint(3, 0.7, 0.9) is None
+    hint = outer_hint(8, 0.3, 0.9)
+    assert hint is not None and "suggests outer_lr 0.80" in hint
+    assert outer_hint(3, 0.6, 0.0) is not None  # plain outer SGD: off the rule
+
+
+def _diloco_stack(write_stack: Any, **diloco: Any) -> Any:
+    def mutate(c: dict[str, Any]) -> None:
+        t = c["geotrain:training"]
+        t["sync"] = "diloco"
+        t["steps"] = 20
+        t["diloco"] = {"inner_steps": 5, **diloco}
+
+    return write_stack("local", mutate, name="dl")
+
+
+def test_validate_hints_at_an_outer_lr_off_the_rule(write_stack: Any) -> None:
+    r = CliRunner().invoke(cli, ["validate", "--stack", str(_diloco_stack(write_stack))])
+    assert r.exit_code == 0 and "hint" not in r.output, r.output  # 3 regions, 0.7: near 0.6
+    f = _diloco_stack(write_stack, outer_lr=2.0)
+    r = CliRunner().invoke(cli, ["validate", "--stack", str(f)])
+    assert r.exit_code == 0 and "the rule suggests outer_lr 0.60" in r.output, r.output
+
+
+def test_warmup_of_all_the_steps_is_a_one_line_error(write_stack: Any) -> None:
+    r = CliRunner().invoke(
+        cli, ["validate", "--stack", str(_diloco_stack(write_stack, warmup_steps=20))]
+    )
+    assert r.exit_code == 2 and "warmup_steps" in r.output and "< training.steps" in r.output
+    ok = CliRunner().invoke(
+        cli, ["validate", "--stack", str(_diloco_stack(write_stack, warmup_steps=19))]
+    )
+    assert ok.exit_code == 0, ok.output
+
+
+def test_render_carries_warmup_steps_into_the_launch_spec(write_stack: Any) -> None:
+    from infra.model import load_stack
+    from infra.plan import build_plan
+    from infra.render.runtime import render_launch_spec
+
+    spec = render_launch_spec(
+        build_plan(load_stack(str(_diloco_stack(write_stack, warmup_steps=4))))
+    )
+    assert spec.diloco.warmup_steps == 4
+    assert LaunchSpec.from_json(spec.to_json()).diloco.warmup_steps == 4
