@@ -543,7 +543,8 @@ def report(job: Job, loss: float, step_s: float, sync_s: float, merged: bool) ->
         m.ratio.set(st.cross_raw_bytes / st.cross_wire_bytes)
     m.tick()
     if job.leader:
-        extra: dict[str, Any] = {"digest": params_digest(job.model)} if merged else {}
+        warmed = job.diloco is not None and job.step == job.spec.diloco.warmup_steps
+        extra: dict[str, Any] = {"digest": params_digest(job.model)} if merged or warmed else {}
         if job.privacy is not None:
             extra.update(privacy_spent(job))
         job.emit(
