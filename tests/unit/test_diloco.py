@@ -3,6 +3,7 @@ SGD inner optimizer, against per-step all-reduce training of the same model on t
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import pytest
@@ -229,3 +230,31 @@ def test_render_carries_warmup_steps_into_the_launch_spec(write_stack: Any) -> N
     )
     assert spec.diloco.warmup_steps == 4
     assert LaunchSpec.from_json(spec.to_json()).diloco.warmup_steps == 4
+
+
+def _walk(d: DiLoCo, steps: int, start: int = 0) -> None:
+    """Local updates and a merge each step (a one-rank world: the sync is the identity)."""
+    for s in range(start, start + steps):
+        with torch.no_grad():
+            for p in d.params:
+                p.sub_(0.1 * torch.cos(p + s))
+        d.merge(s)
+
+
+def test_state_round_trip_continues_the_outer_momentum_bitwise() -> None:
+    spec = DilocoSpec(every_steps=1)  # Nesterov, momentum 0.9: the buffer matters
+    a = DiLoCo([[torch.nn.Parameter(torch.arange(4.0))]], spec, _NoSync())
+    _walk(a, 3)
+    saved = copy.deepcopy(a.state_dict())
+    assert set(saved) == {"params", "outer"}  # the checkpoint's "global" key, as before
+    b = DiLoCo([[torch.nn.Parameter(a.params[0].detach().clone())]], spec, _NoSync())
+    b.load_state_dict(saved)
+    _walk(a, 2, start=3)
+    _walk(b, 2, start=3)
+    assert torch.equal(a.global_params[0], b.global_params[0])
+    fresh = DiLoCo([[torch.nn.Parameter(torch.arange(4.0))]], spec, _NoSync())
+    fresh.global_params[0].data.copy_(saved["params"]["0"])  # weights but no momentum
+    with torch.no_grad():
+        fresh.params[0].copy_(saved["params"]["0"])
+    _walk(fresh, 2, start=3)
+    assert not torch.equal(a.global_params[0], fresh.global_params[0])
