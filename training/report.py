@@ -149,6 +149,8 @@ def summarize(log: EventLog, spec_steps: int) -> dict[str, Any]:
             for e in log.of("checkpoint_skipped")
         ],
         "merges": sum(1 for e in steps if e.get("merged")) // max(1, regions),
+        "sync": start[0].get("sync"),
+        "warmup": start[0].get("warmup", 0),
         "privacy": privacy_summary(log),
     }
 
@@ -202,6 +204,9 @@ def format_report(r: dict[str, Any]) -> str:
             f"restarts                {r['restarts']} (resumed from step "
             f"{', '.join(map(str, r['resumed_from']))})"
         )
+    if r.get("sync"):
+        warm = f" after a {r['warmup']}-step all-reduce warm-up" if r.get("warmup") else ""
+        lines.append(f"sync mode               {r['sync']}{warm}")
     if r["merges"]:
         lines.append(f"global merges           {r['merges']}")
     lines += _privacy_lines(r.get("privacy") or {})

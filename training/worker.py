@@ -596,6 +596,8 @@ def run(
         params=n_params,
         world=spec.world_size,
         regions=len(spec.regions),
+        sync=spec.sync,
+        warmup=spec.diloco.warmup_steps if spec.sync == "diloco" else 0,
         epoch=session.epoch,
         session=session.id.hex()[:16],
     )

@@ -33,5 +33,7 @@ def test_warmup_syncs_every_step_then_merges_count_from_its_end(tmp_path: Path) 
     assert sorted(digests) == [2, 4, 5]
     assert all(len(d) == 1 for d in digests.values()), digests
     assert len({e["region"] for e in steps}) == 2
+    assert "sync mode               diloco after a 2-step all-reduce warm-up" in r.stdout, r.stdout
+    assert "global merges           2" in r.stdout and "cross-region bytes" in r.stdout
     ok = geotrain("ledger", "verify", "--stack", str(stack), cwd=tmp_path)
     assert ok.returncode == 0, ok.stdout + ok.stderr
