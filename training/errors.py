@@ -126,6 +126,13 @@ class SessionError(GeotrainError):
     node, or a tampered agreement)."""
 
 
+class RendezvousTimeout(GeotrainError):
+    """Not every rank reached the rendezvous store in time (a node's workers never
+    started, or started too late); the launcher restarts and the ranks meet again."""
+
+    exit_code = 3
+
+
 class RollbackError(CheckpointError):
     """Committed checkpoints went missing or backwards behind the high-water mark."""
 

@@ -29,6 +29,7 @@ import ipaddress
 import json
 import os
 import socket
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -38,7 +39,7 @@ import torch.distributed as dist
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-from training.errors import SessionError, TransientReject
+from training.errors import RendezvousTimeout, SessionError, TransientReject
 
 SESSION_BYTES = 16
 RUN_TAG_BYTES = 16
@@ -198,6 +199,27 @@ def rendezvous_store(
         with contextlib.suppress(OSError):
             os.close(fd)
         raise
+
+
+JOINED = "geotrain/joined"
+
+
+def wait_for_all(store: Any, world: int, wait: timedelta) -> None:
+    """Hold every rank here until all `world` ranks reached the store. Hosts start their
+    workers as their agents finish, minutes apart; the process group's own rendezvous
+    waits only its collective timeout (120 s) for the master's address, which the master
+    publishes once every rank has connected, so early ranks would give up first."""
+    deadline = time.monotonic() + wait.total_seconds()
+    joined = int(store.add(JOINED, 1))
+    while joined < world:
+        if time.monotonic() > deadline:
+            raise RendezvousTimeout(
+                f"{joined} of {world} ranks reached the rendezvous store in "
+                f"{wait.total_seconds():.0f} s; start every node's workers (geotrain launch, "
+                "or the geotrain-worker service), then this node retries"
+            )
+        time.sleep(0.2)
+        joined = int(store.add(JOINED, 0))
 
 
 def sock_port(fd: int) -> int:

@@ -52,7 +52,7 @@ from training.privacy import (
     agreed_stop,
     budget_error,
 )
-from training.session import Control, agree, rendezvous_store
+from training.session import Control, agree, rendezvous_store, wait_for_all
 from training.spec import LaunchSpec, metrics_endpoint
 from training.topology import Groups, Topology, make_groups
 from training.torchrun import agent_store, from_env
@@ -195,9 +195,12 @@ def setup(
     # the store waits that long for every rank to join (collectives keep 120 s)
     wait = timedelta(seconds=RENDEZVOUS_TIMEOUT_S)
     # the store listens on the master address only (TCPStore alone binds every interface)
-    store = agent_store(spec.world_size, wait) or rendezvous_store(
-        spec.master_addr, spec.master_port, spec.world_size, rank == 0, wait
-    )
+    store = agent_store(spec.world_size, wait)
+    if store is None:  # under torchrun, its rendezvous already waited for every node
+        store = rendezvous_store(
+            spec.master_addr, spec.master_port, spec.world_size, rank == 0, wait
+        )
+        wait_for_all(store, spec.world_size, wait)
     backend = f"cpu:{glo},cuda:nccl" if device.type == "cuda" else glo
     dist.init_process_group(
         backend, store=store, rank=rank, world_size=spec.world_size, timeout=timedelta(seconds=120)
