@@ -26,6 +26,9 @@ class Reducer(Protocol):
 
     def all_reduce(self, x: torch.Tensor, step: int, bucket: int = 0) -> torch.Tensor: ...
 
+    def clear_residuals(self) -> None:
+        """Forget the error-feedback residuals: a gradient's must not carry into merges."""
+
 
 class Digest(Protocol):
     """Fed every bucket's pseudo-gradient as sent (training.ledger_hooks.hasher)."""
@@ -44,14 +47,11 @@ class DiLoCo:
         buckets: Sequence[Sequence[torch.nn.Parameter]],
         spec: DilocoSpec,
         sync: Reducer,
-        residuals: dict[int, torch.Tensor] | None = None,
     ) -> None:
         self.buckets = [list(b) for b in buckets]
         self.params = [p for b in self.buckets for p in b]
         self.spec = spec
         self.sync = sync
-        self.residuals = residuals
-        """The sync's error-feedback residuals, cleared when the warm-up ends (None: none)."""
         self.global_params = [p.detach().clone() for p in self.params]
         m = spec.outer_momentum
         self.outer = torch.optim.SGD(  # Nesterov needs momentum; 0 is a plain outer SGD step
@@ -87,9 +87,7 @@ class DiLoCo:
         with torch.no_grad():
             for g, p in zip(self.global_params, self.params, strict=True):
                 g.copy_(p)
-        if self.residuals:  # gradient residuals do not carry into pseudo-gradients
-            for r in self.residuals.values():
-                r.zero_()
+        self.sync.clear_residuals()  # gradient residuals do not carry into pseudo-gradients
         self.last_merge = time.monotonic()
 
     # -- merge ------------------------------------------------------------------------

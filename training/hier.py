@@ -200,6 +200,11 @@ class HierarchicalAllReduce:
             piece += self.codec.decode(got[i], frm, P)  # (P,): decode checks the size
         return piece, [len(p) for p in sent]
 
+    def clear_residuals(self) -> None:
+        """Zero every bucket's residuals (DiLoCo at the end of its warm-up)."""
+        for r in self.residuals.values():
+            r.zero_()
+
     def residual(self, bucket: int, piece: int) -> torch.Tensor:
         """Error-feedback residuals of a bucket: row j < R for the piece sent to region j,
         row R for the reduced piece this rank gathers out. (R + 1, P)"""

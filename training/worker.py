@@ -245,7 +245,7 @@ def setup(
     ckpt.on_commit = on_commit
     if spec.sync == "diloco":
         buckets = _buckets(list(model.parameters()), spec.bucket_mb)
-        job.diloco = DiLoCo(buckets, spec.diloco, sync, sync.residuals)
+        job.diloco = DiLoCo(buckets, spec.diloco, sync)
     prime(job)
     job.metrics.serve(*metrics_endpoint(spec, node, local_rank))
     return job
@@ -367,7 +367,6 @@ def resume(job: Job) -> int | None:
     c = mine["counters"]
     job.step, job.tokens = int(c["step"]), int(c["tokens"])
     if job.diloco is not None:
-        job.diloco.residuals = job.sync.residuals
         job.diloco.merges = int(c["merges"])
     job.metrics.restarts.inc()
     return step_of(d)

@@ -182,6 +182,9 @@ class _NoSync:
     def all_reduce(self, x: torch.Tensor, step: int, bucket: int = 0) -> torch.Tensor:
         return x
 
+    def clear_residuals(self) -> None:
+        pass
+
 
 def test_outer_lr_rule_rises_with_regions_between_the_anchors() -> None:
     assert [suggested_outer_lr(r) for r in (1, 2, 4, 6, 8, 16)] == [0.6, 0.6, 0.6, 0.7, 0.8, 0.8]
