@@ -122,6 +122,15 @@ def render_frr(plan: Plan, region: str) -> str:
             "!",
         ]
     lines += [
+        # routes learnt over BGP leave from the gateway's own region address: without it
+        # the kernel picks the tunnel's /31 address, which only the tunnel's peer can
+        # route back to, so the gateway's own workers could not reach a region whose best
+        # path crosses a third region (their SYNs went unanswered)
+        "route-map GT-SRC permit 10",
+        f" set src {r.router_id}",
+        "!",
+        "ip protocol bgp route-map GT-SRC",
+        "!",
         f"router bgp {r.asn}",
         f" bgp router-id {r.router_id}",
         " no bgp ebgp-requires-policy",

@@ -205,8 +205,11 @@ def test_up_copies_each_bundle_and_runs_the_agent_once_per_host(life: Life) -> N
 
 def test_every_bgp_session_establishes_over_wireguard(life: Life) -> None:
     assert life.bgp == {gw: 2 for gw in GATEWAYS}
+    own = {"fra-0": "10.42.2.1", "sv-0": "10.42.3.1"}  # the gateways' region addresses
     for gw, route in life.routes.items():
         assert " dev wg-" in route, f"{gw}: {route}"
+        # the gateway's own workers reach beijing from an address beijing routes back to
+        assert f" src {own[gw]} " in route, f"{gw}: {route}"
 
 
 def test_a_three_region_training_completes_with_the_codec_and_equal_replicas(life: Life) -> None:

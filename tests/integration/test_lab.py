@@ -173,6 +173,20 @@ def test_cutting_beijing_frankfurt_reroutes_via_silicon_valley_and_back(plan: Pl
         time.sleep(0.5)
 
 
+def test_a_gateway_sends_to_other_regions_from_its_own_region_address(plan: Plan) -> None:
+    """A gateway that also runs workers opens connections to other regions itself. Its
+    BGP routes carry its region address as source, not the tunnel's /31 (which only the
+    tunnel's peer routes back to, so a path across a third region would lose the
+    replies)."""
+    for r in plan.regions:
+        for other in plan.regions:
+            if other.name == r.name:
+                continue
+            dst = next(n for n in other.nodes if not n.is_gateway).private_ip
+            out = lab.sh("ip", "-n", str(r.gateway.netns), "route", "get", dst)
+            assert f" src {r.router_id} " in f"{out} ", f"{r.name} -> {other.name}: {out}"
+
+
 def test_lab_down_leaves_nothing_behind_even_after_a_failed_up(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

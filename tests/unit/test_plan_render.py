@@ -64,6 +64,10 @@ def test_frr_has_a_bfd_session_per_tunnel_and_prepends_costly_links() -> None:
     sv = conf.split("route-map GT-OUT-silicon-valley")[1].split("!")[0]
     fra = conf.split("route-map GT-OUT-frankfurt")[1].split("!")[0]
     assert "prepend 64601" in sv and "prepend" not in fra
+    # BGP routes leave from the gateway's region address, not a tunnel's /31
+    plan_bj = plan.region("beijing")
+    assert f"set src {plan_bj.router_id}" in conf
+    assert "ip protocol bgp route-map GT-SRC" in conf
 
 
 def test_launch_spec_round_trips_and_keeps_shards_in_their_region() -> None:
