@@ -40,7 +40,7 @@ def prepare_local_run(
     holds the run dir's lock (this rewrites the spec and the event log)."""
     from infra.plan import build_plan
     from infra.render import render_launch_spec
-    from training.checkpoint import node_root
+    from training.spec import node_root
     from training.keys import create_key_file
 
     plan = build_plan(model)
