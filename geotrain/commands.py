@@ -96,7 +96,7 @@ def train(stack: str, fresh: bool, steps: int | None) -> None:
 def _train(stack: str, spec: LaunchSpec, spec_path: Path, run_dir: Path) -> None:
     from training.launch import launch
     from training.plot import INSTALL_HINT, available, write_run_plot
-    from training.report import EventLog, Progress, format_report, summarize
+    from training.report import EventLog, Progress, print_report, summarize
 
     nodes = [n for r in spec.regions for n in r.nodes]
     click.echo(
@@ -108,21 +108,20 @@ def _train(stack: str, spec: LaunchSpec, spec_path: Path, run_dir: Path) -> None
     progress = Progress(log, spec.steps)
 
     def restarted(a: object) -> None:
-        click.echo(
-            f"\nworker {getattr(a, 'failed', '?')} exited with "
+        progress.say(
+            f"worker {getattr(a, 'failed', '?')} exited with "
             f"{getattr(a, 'rc', '?')}; restarting from the newest checkpoint"
         )
 
     prom = _start_monitoring(stack, spec.metrics_port, run_dir)
     try:
-        result = launch(
-            spec, spec_path, nodes, run_dir, on_poll=progress.update, on_restart=restarted
-        )
+        with progress:
+            result = launch(
+                spec, spec_path, nodes, run_dir, on_poll=progress.update, on_restart=restarted
+            )
     finally:
         if prom:
             prom.stop()
-    progress.update()
-    click.echo("")
     report = summarize(log, spec.steps)
     (run_dir / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     if not result.ok:
@@ -132,7 +131,7 @@ def _train(stack: str, spec: LaunchSpec, spec_path: Path, run_dir: Path) -> None
             f"training failed: worker {last.failed} exited with {last.rc} after "
             f"{len(result.attempts)} attempt(s); {tail}"
         )
-    click.echo(format_report(report))
+    print_report(progress.out, report)
     click.echo(f"report saved to {run_dir / 'report.json'}")
     picture = write_run_plot(log.events, run_dir / "run.png") if available() else None
     click.echo(f"picture of the run: {picture}" if picture else INSTALL_HINT)

@@ -1,13 +1,20 @@
-"""Reading the workers' event stream: the live progress line and the final report."""
+"""Reading the workers' event stream: the live progress (a rich bar on a terminal, plain
+lines elsewhere) and the final report (a rich table; plain rows off a terminal)."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
+
+from rich.console import Console
+from rich.progress import BarColumn, TaskID, TextColumn, TimeElapsedColumn
+from rich.progress import Progress as RichProgress
+from rich.table import Table
+from rich.text import Text
 
 from training.plot import sparkline
 
@@ -63,41 +70,78 @@ def _parse(line: bytes) -> dict[str, Any] | None:
     return event if isinstance(event, dict) and "event" in event else None
 
 
+PLAIN_WIDTH = 1000
+"""Columns of a console that is not a terminal: wide enough that no report row wraps."""
+
+
+def console(file: TextIO | None = None) -> Console:
+    """The console `geotrain train` writes to. Text from the run (reasons, paths) is never
+    read as rich markup or emoji codes; off a terminal there are no control codes and no
+    wrapping (log files and tests get one plain line per row)."""
+    c = Console(file=file, highlight=False, markup=False, emoji=False)
+    if not c.is_terminal:
+        c.width = PLAIN_WIDTH
+    return c
+
+
 @dataclass
 class Progress:
+    """The live progress of `geotrain train` from the event log: a rich progress bar on a
+    terminal; elsewhere a plain line every 10 steps and at the last step. Use it as a
+    context manager: the bar's live display ends with the block."""
+
     log: EventLog
     total: int
-    out: TextIO = sys.stdout
+    out: Console = field(default_factory=console)
     last_step: int = -1
+    _bar: RichProgress | None = None
+    _task: TaskID | None = None
+
+    def __enter__(self) -> Progress:
+        if self.out.is_terminal:
+            self._bar = RichProgress(
+                BarColumn(),
+                TextColumn("step {task.completed}/{task.total}"),
+                TextColumn("{task.fields[stats]}"),
+                TimeElapsedColumn(),
+                console=self.out,
+                auto_refresh=False,  # refreshed on each poll of the launcher's loop
+                transient=False,
+            )
+            self._task = self._bar.add_task("train", total=self.total, stats="starting")
+            self._bar.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.update()
+        if self._bar is not None:
+            self._bar.stop()
+
+    def say(self, line: str) -> None:
+        """A line above the bar (or between the plain lines)."""
+        self.out.print(line, soft_wrap=True)
 
     def update(self) -> None:
         for e in self.log.poll():
             if e["event"] == "checkpoint_skipped":  # a fallback: say it, whatever the tty
-                lead = "\n" if self.out.isatty() else ""  # off the progress bar's line
-                self.out.write(f"{lead}checkpoint {_fallback(e)}\n")
-                self.out.flush()
+                self.say(f"checkpoint {_fallback(e)}")
         steps = self.log.of("step")
-        if not steps:
-            return
-        step = max(e["step"] for e in steps)
-        if step == self.last_step:
-            return
-        self.last_step = step
+        step = max((e["step"] for e in steps), default=self.last_step)
+        if step != self.last_step:
+            self.last_step = step
+            self._show(step, steps)
+        if self._bar is not None:
+            self._bar.refresh()  # the elapsed time moves between steps too
+
+    def _show(self, step: int, steps: list[dict[str, Any]]) -> None:
         latest = [e for e in steps if e["step"] == step]
         loss = sum(e["loss"] for e in latest) / len(latest)
         tps = sum(e["tokens_per_s"] for e in latest)
-        wire = _cross_wire(steps) / 1e6
-        width = 30
-        filled = int(width * step / self.total)
-        line = (
-            f"[{'#' * filled}{'.' * (width - filled)}] step {step}/{self.total}  "
-            f"loss {loss:.3f}  {tps:,.0f} tok/s  cross-region {wire:.2f} MB"
-        )
-        if self.out.isatty():
-            self.out.write("\r" + line)
+        stats = f"loss {loss:.3f}  {tps:,.0f} tok/s  cross-region {_cross_wire(steps) / 1e6:.2f} MB"
+        if self._bar is not None and self._task is not None:
+            self._bar.update(self._task, completed=step, stats=stats)
         elif step == self.total or step % 10 == 0:
-            self.out.write(line + "\n")
-        self.out.flush()
+            self.say(f"step {step}/{self.total}  {stats}")
 
 
 def _cross_wire(steps: list[dict[str, Any]]) -> float:
@@ -177,61 +221,121 @@ def _newest(steps: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return list(newest.values())
 
 
-def format_report(r: dict[str, Any]) -> str:
-    if not r:
-        return "no training steps were recorded"
+LABEL_WIDTH = 23
+"""Width of the report's label column (the longest label), then one space."""
+
+
+def report_rows(r: dict[str, Any]) -> list[tuple[str, str]]:
+    """The report as (label, value) rows; an empty label continues the row above."""
     curve = "  ".join(f"{s}:{v:.3f}" for s, v in r["loss_curve"].items())
-    lines = [
-        f"trained {r['params']:,} parameters on {r['world']} workers in {r['regions']} "
-        f"regions for {r['steps']} steps",
-        f"loss curve (step:loss)  {curve}",
-        f"loss, every step        {r.get('loss_sparkline', '')}",
-        "final loss per region   "
-        + "  ".join(f"{k} {v:.3f}" for k, v in r["final_loss_per_region"].items()),
-        f"cross-region bytes      {r['cross_region_wire_bytes'] / 1e6:.2f} MB sent "
-        f"(fp32 flat all-reduce would send {r['flat_fp32_allreduce_cross_bytes'] / 1e6:.2f} MB"
-        f": {r['bytes_vs_flat_fp32']:.3f}x)"
-        if r["bytes_vs_flat_fp32"]
-        else "cross-region bytes      0",
-        f"compression ratio       {r['compression_ratio']:.2f}x (fp32 bytes / wire bytes)"
-        if r["compression_ratio"]
-        else "compression ratio       -",
-        f"time in sync            {r['sync_seconds']:.1f} s of {r['step_seconds']:.1f} s "
-        f"({100 * (r['sync_share'] or 0):.0f}%)",
+    flat = r["flat_fp32_allreduce_cross_bytes"]
+    rows = [
+        (
+            "trained",
+            f"{r['params']:,} parameters on {r['world']} workers in {r['regions']} regions "
+            f"for {r['steps']} steps",
+        ),
+        ("loss curve (step:loss)", curve),
+        ("loss, every step", r.get("loss_sparkline", "")),
+        (
+            "final loss per region",
+            "  ".join(f"{k} {v:.3f}" for k, v in r["final_loss_per_region"].items()),
+        ),
+        (
+            "cross-region bytes",
+            f"{r['cross_region_wire_bytes'] / 1e6:.2f} MB sent (fp32 flat all-reduce would "
+            f"send {flat / 1e6:.2f} MB: {r['bytes_vs_flat_fp32']:.3f}x)"
+            if r["bytes_vs_flat_fp32"]
+            else "0",
+        ),
+        (
+            "compression ratio",
+            f"{r['compression_ratio']:.2f}x (fp32 bytes / wire bytes)"
+            if r["compression_ratio"]
+            else "-",
+        ),
+        (
+            "time in sync",
+            f"{r['sync_seconds']:.1f} s of {r['step_seconds']:.1f} s "
+            f"({100 * (r['sync_share'] or 0):.0f}%)",
+        ),
     ]
     if r["resumed_from"]:
-        lines.append(
-            f"restarts                {r['restarts']} (resumed from step "
-            f"{', '.join(map(str, r['resumed_from']))})"
-        )
-    if r.get("sync"):
-        warm = f" after a {r['warmup']}-step all-reduce warm-up" if r.get("warmup") else ""
-        lines.append(f"sync mode               {r['sync']}{warm}")
-    if r["merges"]:
-        lines.append(f"global merges           {r['merges']}")
-    lines += _privacy_lines(r.get("privacy") or {})
+        resumed = ", ".join(map(str, r["resumed_from"]))
+        rows.append(("restarts", f"{r['restarts']} (resumed from step {resumed})"))
+    rows += _sync_rows(r)
+    rows += _privacy_lines(r.get("privacy") or {})
     for i, f in enumerate(r.get("checkpoint_fallbacks", [])):
-        lines.append(f"{'checkpoint fallbacks' if i == 0 else '':24}{_fallback(f)}")
-    return "\n".join(lines)
+        rows.append(("checkpoint fallbacks" if i == 0 else "", _fallback(f)))
+    return rows
 
 
-def _privacy_lines(p: dict[str, Any]) -> list[str]:
+def _sync_rows(r: dict[str, Any]) -> list[tuple[str, str]]:
+    """The chosen sync mode, its cross-region syncs (an all-reduce every step, or DiLoCo's
+    warm-up all-reduces and global merges) and the bytes of each."""
+    if not r.get("sync"):
+        return []
+    warmup = min(r.get("warmup") or 0, r["steps"])
+    if r["sync"] == "diloco":
+        mode = f"diloco after a {warmup}-step all-reduce warm-up" if warmup else "diloco"
+        syncs = r["merges"] + warmup
+        merges = f"{r['merges']}" + (f" (+ {warmup} warm-up all-reduces)" if warmup else "")
+    else:
+        mode, syncs = f"{r['sync']}, every step", r["steps"]
+        merges = f"{syncs} (an all-reduce per step)"
+    if syncs:
+        merges += f", {r['cross_region_wire_bytes'] / syncs / 1e6:.2f} MB cross-region each"
+    return [("sync mode", mode), ("global merges", merges)]
+
+
+def report_table(r: dict[str, Any]) -> Table:
+    """The report as a rich table: labels on the left, one row each."""
+    table = Table(box=None, show_header=False, padding=(0, 1, 0, 0), pad_edge=False)
+    table.add_column(style="bold", no_wrap=True, min_width=LABEL_WIDTH)
+    table.add_column(overflow="fold")
+    for label, value in report_rows(r):
+        table.add_row(Text(label), Text(value))  # Text: never read as markup
+    return table
+
+
+def format_report(r: dict[str, Any]) -> str:
+    """The report as plain lines (what a console that is not a terminal prints)."""
+    if not r:
+        return "no training steps were recorded"
+    buf = io.StringIO()
+    console(buf).print(report_table(r))
+    return "\n".join(line.rstrip() for line in buf.getvalue().splitlines())  # rich pads each row
+
+
+def print_report(out: Console, r: dict[str, Any]) -> None:
+    """The report on `out`: a table on a terminal, plain rows elsewhere."""
+    if r and out.is_terminal:
+        out.print(report_table(r))
+    else:
+        out.print(format_report(r), soft_wrap=True)
+
+
+def _privacy_lines(p: dict[str, Any]) -> list[tuple[str, str]]:
     spent = p.get("epsilon_per_region") or {}
     if not spent:
         return []
-    lines = [
-        "privacy (epsilon spent) "
-        + "  ".join(
-            f"{k} {v['epsilon']:.2f}/{v['epsilon_target']:g} (delta {v['delta']:g})"
-            for k, v in spent.items()
+    rows = [
+        (
+            "privacy (epsilon spent)",
+            "  ".join(
+                f"{k} {v['epsilon']:.2f}/{v['epsilon_target']:g} (delta {v['delta']:g})"
+                for k, v in spent.items()
+            ),
         )
     ]
     if p.get("stopped_by"):
-        lines.append(
-            f"privacy budget          {p['stopped_by']} spent its budget: stopped at step "
-            f"{p['stopped_at']}"
+        rows.append(
+            (
+                "privacy budget",
+                f"{p['stopped_by']} spent its budget: stopped at step {p['stopped_at']}",
+            )
         )
-    return lines
+    return rows
 
 
 def _fallback(e: dict[str, Any]) -> str:

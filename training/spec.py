@@ -2,21 +2,41 @@
 
 infra renders it (`launch_spec` stack output, `launch-spec.json`); the runtime reads only
 this. Every field is plain JSON so SSH hosts and pods need nothing but the file.
+
+The specs are pydantic dataclasses: constructing one validates its fields (types, bounds,
+allowed values, contiguous ranks), and `LaunchSpec.from_json` reads a file strictly (no
+unknown keys, no "8" for 8) and turns the first problem into one `SpecError` line that
+names the key path.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
 
-from training.errors import SpecError
+from pydantic import ConfigDict, Field, TypeAdapter, ValidationError, field_validator
+from pydantic.dataclasses import dataclass
+from pydantic_core import ErrorDetails
+
+from training.errors import SpecError, clip, short_repr
 
 SPEC_VERSION = 1
 
+_STRICT = ConfigDict(extra="forbid")
+"""Every spec class refuses keys it does not know: a typo must not fall back to a default."""
+Count = Annotated[int, Field(ge=1)]
+NonNegative = Annotated[int, Field(ge=0)]
+Positive = Annotated[float, Field(gt=0)]
+Port = Annotated[int, Field(ge=0, le=65535)]
+Device = Literal["cuda", "cpu"]
+Quantize = Literal["none", "fp16", "bf16", "int8", "int4"]
+Cipher = Literal["sm4-gcm", "aes-gcm", "none"]
+SyncMode = Literal["allreduce", "diloco"]
 
-@dataclass(frozen=True)
+
+@dataclass(frozen=True, config=_STRICT)
 class ShardSpec:
     name: str
     """Shard name."""
@@ -26,43 +46,43 @@ class ShardSpec:
     """pydoc-topics:auto | file:/path."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, config=_STRICT)
 class NodeSpec:
     name: str
     """Node name (unique)."""
     host: str
     """Address this node's workers bind to and are reached on (private/overlay)."""
-    first_rank: int
+    first_rank: NonNegative
     """Global rank of the node's local rank 0."""
-    nprocs: int
+    nprocs: Count
     """Worker processes (= accelerators) on the node."""
-    device: str
+    device: Device
     """cuda | cpu."""
     netns: str | None = None
     """lab only: network namespace the workers run in."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, config=_STRICT)
 class PrivacySpec:
     """DP-SGD inside one region (training.privacy); see infra.model.schema.Privacy."""
 
-    target_epsilon: float
+    target_epsilon: Positive
     """Epsilon the region may spend over the run."""
-    delta: float
+    delta: Annotated[float, Field(gt=0, lt=1)]
     """Delta of the (epsilon, delta) guarantee."""
-    max_grad_norm: float
+    max_grad_norm: Positive
     """Per-record gradient clipping norm C."""
-    noise_multiplier: float | None = None
+    noise_multiplier: Positive | None = None
     """Fixed noise multiplier (None: calibrated to target_epsilon over the planned steps)."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, config=_STRICT)
 class RegionSpec:
     name: str
     """Region name."""
     jurisdiction: str
     """Jurisdiction of the region."""
-    nodes: list[NodeSpec]
+    nodes: Annotated[list[NodeSpec], Field(min_length=1)]
     """Nodes in rank order."""
     shards: list[ShardSpec]
     """Data this region reads; never another region's."""
@@ -70,49 +90,49 @@ class RegionSpec:
     """Record-level differential privacy of the region's updates (None: off)."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, config=_STRICT)
 class CodecSpec:
-    quantize: str = "int8"
+    quantize: Quantize = "int8"
     """none | fp16 | bf16 | int8 | int4."""
-    block_size: int = 256
+    block_size: Count = 256
     """Elements per scale block (int8/int4)."""
     error_feedback: bool = True
     """Keep the quantization residual per bucket."""
-    zstd_level: int = 1
+    zstd_level: Annotated[int, Field(ge=-7, le=22)] = 1
     """zstd level after byte-shuffle."""
-    cipher: str = "sm4-gcm"
+    cipher: Cipher = "sm4-gcm"
     """sm4-gcm | aes-gcm | none."""
     secure_aggregation: bool = False
     """Mask the cross-region scatter stage pairwise (training.secagg); int8 or int4 only."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, config=_STRICT)
 class DilocoSpec:
-    every_steps: int | None = 100
+    every_steps: Count | None = 100
     """Merge every H inner steps (None: time-based)."""
-    interval_minutes: float | None = None
+    interval_minutes: Positive | None = None
     """Merge every T minutes (None: step-based)."""
-    outer_lr: float = 0.7
+    outer_lr: Positive = 0.7
     """Outer Nesterov learning rate."""
-    outer_momentum: float = 0.9
+    outer_momentum: Annotated[float, Field(ge=0, lt=1)] = 0.9
     """Outer Nesterov momentum."""
-    warmup_steps: int = 0
+    warmup_steps: NonNegative = 0
     """First steps synced every step across regions before DiLoCo starts (training.diloco)."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, config=_STRICT)
 class CheckpointSpec:
     dir: str = ".geotrain/checkpoints"
     """Checkpoint root; relative paths resolve against the launch directory."""
-    interval_steps: int = 50
+    interval_steps: Count = 50
     """Save every N steps."""
-    interval_minutes: float = 30
+    interval_minutes: Positive = 30.0
     """And at least every T minutes."""
-    keep: int = 2
+    keep: Count = 2
     """Committed checkpoints kept."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, config=_STRICT)
 class LaunchSpec:
     run_id: str
     """Stable id of the run; bound into every payload and checkpoint."""
@@ -120,25 +140,25 @@ class LaunchSpec:
     """Stack the spec was rendered from."""
     master_addr: str
     """Host of the global TCPStore (first node)."""
-    master_port: int
+    master_port: Port
     """Port of the global TCPStore."""
     regions: list[RegionSpec]
     """Regions in rank order."""
     model: str = "deepseek-tiny"
     """Model preset."""
-    sync: str = "allreduce"
+    sync: SyncMode = "allreduce"
     """allreduce | diloco."""
-    steps: int = 60
+    steps: Count = 60
     """Optimizer (inner) steps."""
-    batch_size: int = 8
+    batch_size: Count = 8
     """Sequences per worker per step."""
-    seq_len: int = 64
+    seq_len: Count = 64
     """Tokens per sequence."""
-    lr: float = 3e-3
+    lr: Positive = 3e-3
     """AdamW learning rate."""
     seed: int = 1234
     """Seed."""
-    bucket_mb: float = 4.0
+    bucket_mb: Positive = 4.0
     """Gradient bucket size."""
     codec: CodecSpec = field(default_factory=CodecSpec)
     """Cross-region codec."""
@@ -148,15 +168,21 @@ class LaunchSpec:
     """Checkpoint settings."""
     key_file: str = ".geotrain/run.key"
     """File with the run's hex key."""
-    metrics_port: int = 9400
+    metrics_port: Port = 9400
     """Local rank i serves Prometheus metrics on metrics_port + i (0: off); see
     metrics_port()."""
     metrics_bind: str = "127.0.0.1"
     """Bind address for metrics ('private' = the node's host)."""
-    max_restarts: int = 3
+    max_restarts: NonNegative = 3
     """Restarts after a worker dies."""
     version: int = SPEC_VERSION
     """Spec format version."""
+
+    @field_validator("regions")
+    @classmethod
+    def _ranks_contiguous(cls, regions: list[RegionSpec]) -> list[RegionSpec]:
+        check_ranks(regions)
+        return regions
 
     @property
     def world_size(self) -> int:
@@ -183,7 +209,17 @@ class LaunchSpec:
             raise SpecError(
                 f"{source}: not valid JSON ({e}); re-render it with `geotrain render`"
             ) from None
-        return _from_dict(raw, source)
+        if not isinstance(raw, dict):
+            raise SpecError(f"{source}: the spec must be a JSON object")
+        if raw.get("version") != SPEC_VERSION:  # before the fields: they may have changed
+            raise SpecError(
+                f"{source}: spec version {short_repr(raw.get('version'))} is not supported; "
+                f"this runtime reads version {SPEC_VERSION}"
+            )
+        try:
+            return _ADAPTER.validate_json(text, strict=True)
+        except ValidationError as e:
+            raise spec_error(e, source) from None
 
     @staticmethod
     def load(path: str | Path) -> LaunchSpec:
@@ -244,60 +280,73 @@ def listeners(spec: LaunchSpec) -> list[dict[str, Any]]:
     return out
 
 
-def _from_dict(raw: Any, source: str) -> LaunchSpec:
-    if not isinstance(raw, dict):
-        raise SpecError(f"{source}: the spec must be a JSON object")
-    if raw.get("version") != SPEC_VERSION:
-        raise SpecError(
-            f"{source}: spec version {raw.get('version')!r} is not supported; "
-            f"this runtime reads version {SPEC_VERSION}"
-        )
-    try:
-        regions = [
-            RegionSpec(
-                name=r["name"],
-                jurisdiction=r["jurisdiction"],
-                nodes=[NodeSpec(**n) for n in r["nodes"]],
-                shards=[ShardSpec(**s) for s in r["shards"]],
-                privacy=PrivacySpec(**r["privacy"]) if r.get("privacy") else None,
-            )
-            for r in raw["regions"]
-        ]
-        body = {
-            k: v for k, v in raw.items() if k not in ("regions", "codec", "diloco", "checkpoint")
-        }
-        spec = LaunchSpec(
-            regions=regions,
-            codec=CodecSpec(**raw["codec"]),
-            diloco=DilocoSpec(**raw["diloco"]),
-            checkpoint=CheckpointSpec(**raw["checkpoint"]),
-            **body,
-        )
-    except (KeyError, TypeError) as e:
-        raise SpecError(
-            f"{source}: malformed launch spec ({e}); re-render it with `geotrain render`"
-        ) from None
-    _check_ranks(spec, source)
-    return spec
+_ADAPTER: TypeAdapter[LaunchSpec] = TypeAdapter(LaunchSpec)
+_CLASSES: dict[str, type[Any]] = {
+    "regions": RegionSpec,
+    "nodes": NodeSpec,
+    "shards": ShardSpec,
+    "privacy": PrivacySpec,
+    "codec": CodecSpec,
+    "diloco": DilocoSpec,
+    "checkpoint": CheckpointSpec,
+}
+"""The spec class a key path's last named key holds (top level: LaunchSpec)."""
+_FIX = "re-render it with `geotrain render --stack S --out DIR`"
 
 
-def _check_ranks(spec: LaunchSpec, source: str) -> None:
+def check_ranks(regions: list[RegionSpec]) -> None:
+    """Ranks run contiguously from 0 in region order, and every region has as many
+    workers: the hierarchical all-reduce pairs local ranks across regions."""
     expect = 0
-    for r in spec.regions:
-        if not r.nodes:
-            raise SpecError(f"{source}: region {r.name} has no nodes")
+    for r in regions:
         for n in r.nodes:
-            if n.first_rank != expect or n.nprocs < 1:
-                raise SpecError(
-                    f"{source}: node {n.name} has first_rank {n.first_rank} "
-                    f"and nprocs {n.nprocs}; ranks must be contiguous from 0 "
-                    f"(expected first_rank {expect})"
+            if n.first_rank != expect:
+                raise ValueError(
+                    f"node {n.name} has first_rank {n.first_rank}; ranks must be contiguous "
+                    f"from 0 in region order (expected first_rank {expect})"
                 )
             expect += n.nprocs
-    sizes = {sum(n.nprocs for n in r.nodes) for r in spec.regions}
-    if len(sizes) != 1:
-        raise SpecError(
-            f"{source}: regions have different worker counts {sorted(sizes)}; "
-            "the hierarchical all-reduce pairs local ranks across regions, so "
-            "every region needs the same number of workers"
+    sizes = {sum(n.nprocs for n in r.nodes) for r in regions}
+    if len(sizes) > 1:
+        raise ValueError(
+            f"regions have different worker counts {sorted(sizes)}; the hierarchical "
+            "all-reduce pairs local ranks across regions, so every region needs the same "
+            "number of workers"
         )
+
+
+def spec_error(e: ValidationError, source: str) -> SpecError:
+    """pydantic's errors as one line: the first one's key path, what is wrong and the fix,
+    and how many more there are."""
+    errors = e.errors(include_url=False)
+    first = errors[0]
+    more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+    where = clip(key_path(first["loc"]), 80)  # a key path may echo an unknown key
+    return SpecError(f"{source}: {where}: {_problem(first)}{more}")
+
+
+def key_path(loc: tuple[int | str, ...]) -> str:
+    """("regions", 1, "nodes", 0, "nprocs") -> "regions[1].nodes[0].nprocs"."""
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else f".{part}" if out else str(part)
+    return out or "(top level)"
+
+
+def _problem(err: ErrorDetails) -> str:
+    kind, loc, msg = err["type"], err["loc"], str(err["msg"])
+    if kind == "missing":
+        return f"required key is missing; {_FIX}"
+    if kind in ("unexpected_keyword_argument", "extra_forbidden"):
+        names = [p for p in loc[:-1] if isinstance(p, str)]
+        cls = _CLASSES[names[-1]] if names else LaunchSpec
+        owner = key_path(loc[:-1]) if names else "the spec"
+        return f"unknown key; {owner} takes {', '.join(f.name for f in fields(cls))}"
+    if kind == "value_error":  # our own checks: the message carries the fix
+        return msg.removeprefix("Value error, ")
+    if kind == "too_short":
+        return f"needs at least {err.get('ctx', {}).get('min_length')} item; {_FIX}"
+    value = short_repr(err["input"])
+    if msg.startswith("Input should"):  # "Input should be a valid integer"
+        return f"{value} {msg.removeprefix('Input ')}; {_FIX}"
+    return f"{msg}, not {value}; {_FIX}"

@@ -16,6 +16,7 @@ from infra.model.clouds import CLOUD_GATEWAY_HOST, CLOUD_KINDS
 from infra.model.gpus import GPU_TYPES
 from infra.model.schema import Link, Monitoring, Network, Policy, Pool, StackModel, Training
 from infra.plan.names import GATEWAY_HOST_INDEX, WORKER_HOST_OFFSET, ifname, lab_netns
+from training.spec import Device
 
 
 @dataclass(frozen=True)
@@ -37,7 +38,7 @@ class PlanNode:
     """The interface for the private address, when the stack names one."""
 
     @property
-    def device(self) -> str:
+    def device(self) -> Device:
         return "cpu" if GPU_TYPES[self.gpu_type].vendor == "none" else "cuda"
 
 

@@ -1,0 +1,112 @@
+"""The `geotrain train` progress and report: a rich bar and table on a terminal, plain
+lines elsewhere, and the chosen sync mode's merges and bytes."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from training.report import EventLog, Progress, console, format_report, summarize
+
+REGIONS = ("beijing", "frankfurt")
+REASON = "[bold]torn[/bold] :smile: write"  # text from the run: never rich markup
+
+
+def _log(tmp: Path, sync: str, steps: int = 12, warmup: int = 0) -> EventLog:
+    path = tmp / "events.jsonl"
+    _write(path, _events(sync, steps, warmup))
+    return EventLog(path)
+
+
+def _write(path: Path, events: list[dict[str, object]]) -> None:
+    path.write_text("".join(json.dumps(e) + "\n" for e in events))
+
+
+def _events(sync: str, steps: int, warmup: int) -> list[dict[str, object]]:
+    lines: list[dict[str, object]] = [
+        {"event": "start", "params": 1000, "world": 4, "regions": 2, "sync": sync, "t": 0}
+    ]
+    lines[0]["warmup"] = warmup
+    for s in range(1, steps + 1):
+        for r in REGIONS:
+            merged = sync == "diloco" and s > warmup and (s - warmup) % 5 == 0
+            wire = 1e6 * (s if sync == "allreduce" else min(s, warmup) + (s - warmup) // 5)
+            lines.append(
+                {
+                    **{"event": "step", "step": s, "region": r, "loss": 3 - 0.1 * s, "t": s},
+                    **{"tokens_per_s": 500, "cross_wire": wire, "cross_raw": 4 * wire},
+                    **{"sync_s": 0.1, "step_s": 1.0, "merged": merged},
+                }
+            )
+    lines.append(
+        {
+            "event": "checkpoint_skipped",
+            "step": 6,
+            "node": "fra-0",
+            "reason": REASON,
+            "moved_to": None,
+            "t": 7,
+        }
+    )
+    return lines
+
+
+@pytest.mark.parametrize(
+    ("sync", "warmup", "mode", "merges"),
+    [
+        ("allreduce", 0, "allreduce, every step", "12 (an all-reduce per step), 2.00 MB"),
+        (
+            "diloco",
+            2,
+            "diloco after a 2-step all-reduce warm-up",
+            "2 (+ 2 warm-up all-reduces), 2.00 MB",
+        ),
+    ],
+)
+def test_report_shows_the_sync_modes_merges_and_their_bytes(
+    tmp_path: Path, sync: str, warmup: int, mode: str, merges: str
+) -> None:
+    text = format_report(summarize(_log(tmp_path, sync, warmup=warmup), 12))
+    rows = text.splitlines()
+    assert f"{'sync mode':24}{mode}" in rows
+    assert any(r.startswith(f"{'global merges':24}{merges} cross-region each") for r in rows)
+    assert any(r.startswith(f"{'cross-region bytes':24}") for r in rows), text
+
+
+def test_plain_report_has_no_control_codes_no_padding_and_keeps_markup_literal(
+    tmp_path: Path,
+) -> None:
+    text = format_report(summarize(_log(tmp_path, "allreduce"), 12))
+    assert "\x1b" not in text
+    assert all(line == line.rstrip() for line in text.splitlines())
+    assert f"{'checkpoint fallbacks':24}step 6 on node fra-0 skipped: {REASON}; removed" in text
+
+
+def test_progress_off_a_terminal_is_a_plain_line_every_10_steps(tmp_path: Path) -> None:
+    out, path, events = io.StringIO(), tmp_path / "events.jsonl", _events("allreduce", 12, 0)
+    with Progress(EventLog(path), 12, out=console(out)) as p:
+        for upto in (3, 11, 19, 21):  # region lines: steps 1, 5, 9 and 10
+            _write(path, events[:upto])
+            p.update()
+        p.say("worker 3 exited with -9")
+        _write(path, events)
+    lines = out.getvalue().splitlines()
+    assert "\x1b" not in out.getvalue() and "\r" not in out.getvalue()
+    steps = [ln.split("  ")[0] for ln in lines if ln.startswith("step ")]
+    assert steps == ["step 10/12", "step 12/12"], lines
+    assert f"checkpoint step 6 on node fra-0 skipped: {REASON}; removed" in lines
+    assert "worker 3 exited with -9" in lines
+
+
+def test_progress_on_a_terminal_draws_a_rich_bar(tmp_path: Path) -> None:
+    out = io.StringIO()
+    term = Console(file=out, force_terminal=True, width=120, markup=False, emoji=False)
+    with Progress(_log(tmp_path, "allreduce"), 12, out=term):
+        pass
+    shown = out.getvalue()
+    assert "\x1b[" in shown and "━" in shown  # rich's live bar, not a hand-drawn one
+    assert "step 12/12" in shown and "cross-region 24.00 MB" in shown
