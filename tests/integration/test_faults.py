@@ -101,14 +101,25 @@ def _run_corrupt_then_resume(
     return _ok(geotrain("train", "--stack", stack, cwd=cwd))
 
 
+@pytest.fixture(scope="module")
+def seven_steps(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A dir where the two-node stack trained 7 steps (commits 3 and 6): each corruption
+    case starts from a copy of it (stack, run key, high-water marks, checkpoints)."""
+    cwd = tmp_path_factory.mktemp("seven")
+    _ok(geotrain("train", "--stack", str(two_node_stack(cwd, "faults")), "--steps", "7", cwd=cwd))
+    return cwd
+
+
 @pytest.mark.parametrize("case", sorted(CORRUPTIONS))
 def test_corrupt_newest_checkpoint_is_quarantined_reported_and_the_run_ends_bitwise_equal(
-    tmp_path: Path, case: str, reference: dict[str, torch.Tensor]
+    tmp_path: Path, case: str, reference: dict[str, torch.Tensor], seven_steps: Path
 ) -> None:
     corrupt, words = CORRUPTIONS[case]
-    two_node_stack(tmp_path, "faults")
+    shutil.copytree(seven_steps, tmp_path, dirs_exist_ok=True)
     root = tmp_path / ".geotrain/faults/checkpoints"
-    out = _run_corrupt_then_resume(tmp_path, lambda _: root, corrupt)
+    assert all(committed(root, n) == {3, 6} for n in NODES)
+    corrupt(root / "step-6" / "fra-0")
+    out = _ok(geotrain("train", "--stack", str(tmp_path / "Pulumi.faults.yaml"), cwd=tmp_path))
     run_dir = tmp_path / ".geotrain/faults"
     assert {e["step"] for e in events(run_dir) if e["event"] == "resume"} == {3}
     # the fallback and its reason, in the terminal and in the report
