@@ -275,7 +275,10 @@ def main() -> None:
     table = "\n".join(lines) + "\n"
     print(table)
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "lab_network.md").write_text(table)
+    out = RESULTS / "lab_network.md"
+    # keep the sections other benchmarks write there (lab_utilisation.py)
+    rest = out.read_text().partition("\n## ")[2] if out.exists() else ""
+    out.write_text(table + (f"\n## {rest}" if rest else ""))
 
 
 if __name__ == "__main__":

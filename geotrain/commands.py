@@ -40,8 +40,8 @@ def prepare_local_run(
     holds the run dir's lock (this rewrites the spec and the event log)."""
     from infra.plan import build_plan
     from infra.render import render_launch_spec
-    from training.spec import node_root
     from training.keys import create_key_file
+    from training.spec import node_root
 
     plan = build_plan(model)
     kinds = {r.kind for r in plan.regions}

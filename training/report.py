@@ -167,6 +167,7 @@ def summarize(log: EventLog, spec_steps: int) -> dict[str, Any]:
     flat = flat_ring_cross_bytes(params, world, regions) * spec_steps
     sync = sum(e["sync_s"] for e in steps) / max(1, regions)
     step_time = sum(e["step_s"] for e in steps) / max(1, regions)
+    compute = sum(e.get("compute_s", 0.0) for e in steps) / max(1, regions)
     return {
         "params": params,
         "world": world,
@@ -185,6 +186,8 @@ def summarize(log: EventLog, spec_steps: int) -> dict[str, Any]:
         "sync_seconds": sync,
         "step_seconds": step_time,
         "sync_share": sync / step_time if step_time else None,
+        "compute_seconds": compute,
+        "compute_share": compute / step_time if step_time else None,
         "restarts": len(log.of("resume")) // max(1, world),
         "resumed_from": sorted({e["step"] for e in log.of("resume")}),
         "checkpoints": [e["step"] for e in log.of("checkpoint")],
@@ -258,6 +261,11 @@ def report_rows(r: dict[str, Any]) -> list[tuple[str, str]]:
             "time in sync",
             f"{r['sync_seconds']:.1f} s of {r['step_seconds']:.1f} s "
             f"({100 * (r['sync_share'] or 0):.0f}%)",
+        ),
+        (
+            "compute utilisation",
+            f"{100 * (r.get('compute_share') or 0):.0f}% (forward, backward and optimizer "
+            "over step time)",
         ),
     ]
     if r["resumed_from"]:

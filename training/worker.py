@@ -482,6 +482,7 @@ def train_step(job: Job) -> None:
     sync_before = job.sync.stats.sync_seconds
     tokens = job.loader.next().to(job.groups.device)
     job.opt.zero_grad(set_to_none=True)
+    c0 = time.perf_counter()  # compute: forward, backward, optimizer (utilisation)
     if job.privacy is not None:  # per-record clipped, noised: see training.privacy
         loss = job.privacy.clipped_noisy_grads(job.model, tokens, job.model.loss)
         job.privacy.budget.record()
@@ -489,6 +490,7 @@ def train_step(job: Job) -> None:
         batch_loss = job.model.loss(tokens)
         batch_loss.backward()
         loss = batch_loss.item()
+    compute = time.perf_counter() - c0
     staged(job)  # the last save's copy of the state must be taken before it changes
     gradient = None
     if job.diloco is None or job.diloco.warming(job.step):
@@ -496,7 +498,9 @@ def train_step(job: Job) -> None:
         sync_grads(job)
     else:
         region_average_grads(job)
+    c0 = time.perf_counter()
     job.opt.step()
+    compute += time.perf_counter() - c0
     ledger_hooks.synced(job, gradient)
     if job.diloco is not None:
         job.diloco.step_done(job.step)  # the end of the warm-up takes the global copy
@@ -514,10 +518,13 @@ def train_step(job: Job) -> None:
         time.perf_counter() - t0,
         job.sync.stats.sync_seconds - sync_before,
         merge_due,
+        compute,
     )
 
 
-def report(job: Job, loss: float, step_s: float, sync_s: float, merged: bool) -> None:
+def report(
+    job: Job, loss: float, step_s: float, sync_s: float, merged: bool, compute_s: float
+) -> None:
     st, m = job.sync.stats, job.metrics
     stats = torch.tensor(
         [loss, st.cross_wire_bytes, st.cross_raw_bytes, sync_s], dtype=torch.float64
@@ -558,6 +565,7 @@ def report(job: Job, loss: float, step_s: float, sync_s: float, merged: bool) ->
             cross_raw=stats[2].item(),
             sync_s=stats[3].item() / L,
             step_s=step_s,
+            compute_s=compute_s,
             merged=merged,
             saving=job.ckpt.saving(),
             **extra,

@@ -39,7 +39,7 @@ def _events(sync: str, steps: int, warmup: int) -> list[dict[str, object]]:
                 {
                     **{"event": "step", "step": s, "region": r, "loss": 3 - 0.1 * s, "t": s},
                     **{"tokens_per_s": 500, "cross_wire": wire, "cross_raw": 4 * wire},
-                    **{"sync_s": 0.1, "step_s": 1.0, "merged": merged},
+                    **{"sync_s": 0.1, "step_s": 1.0, "compute_s": 0.6, "merged": merged},
                 }
             )
     lines.append(
@@ -110,3 +110,10 @@ def test_progress_on_a_terminal_draws_a_rich_bar(tmp_path: Path) -> None:
     shown = out.getvalue()
     assert "\x1b[" in shown and "━" in shown  # rich's live bar, not a hand-drawn one
     assert "step 12/12" in shown and "cross-region 24.00 MB" in shown
+
+
+def test_report_gives_compute_utilisation_as_compute_over_step_time(tmp_path: Path) -> None:
+    r = summarize(_log(tmp_path, "allreduce"), 12)
+    assert r["compute_share"] == pytest.approx(0.6)
+    line = next(ln for ln in format_report(r).splitlines() if "compute utilisation" in ln)
+    assert "60%" in line
