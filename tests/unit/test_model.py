@@ -143,11 +143,11 @@ BROKEN = [
         "use one of bj-gw",
     ),
     (
-        "uneven-workers",
-        "local",
-        _set("geotrain:regions.0.pool.nodes.0.gpus", 3),
-        "geotrain:regions[1].pool.nodes",
-        "same number of GPUs",
+        "region-mixes-cpu-and-gpu",
+        "lab",
+        _set("geotrain:regions.0.pool.nodes.1.gpu_type", "H100-80GB"),
+        "geotrain:regions[0].pool.nodes",
+        "mixes cpu and GPU nodes",
     ),
     (
         "asn-out-of-range",
