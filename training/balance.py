@@ -1,13 +1,18 @@
 """Balance work across heterogeneous regions by measured throughput (`balance: throughput`).
 
 Every sync waits for the slowest region: with equal batches per rank, a region of slower
-GPUs (or fewer cores) makes every other region idle. After `balance_steps` measured steps
-(the first step of a start is skipped: warm caches), every rank offers its compute seconds
-per sample (median step time minus time in the cross-region sync, over its batch); the
-offers are all-gathered, authenticated (training.session.Control), and every rank computes
-the same assignment from the same numbers: a batch per rank for each region that minimises
-the slowest region's step time, with the global batch (sequences per step, W x batch_size)
-kept exactly. A region's speed is its slowest rank's.
+GPUs (or fewer cores) makes every other region idle. Each rank measures its compute time
+per step (step time minus time in the cross-region sync, which holds the wait) over
+`balance_steps` steps (the first step of a start is skipped: warm caches), and offers the
+median. The offers are all-gathered, authenticated (training.session.Control), and every
+rank computes the same assignment from the same numbers: a batch per rank for each region
+that minimises the slowest region's step time, with the global batch (sequences per step,
+W x batch_size) kept exactly. A region's time is its slowest rank's.
+
+Two rounds: the first assumes time proportional to the batch; the second, measured at the
+new batches, fits each region's time as fixed + per-sample x batch through its two
+measurements (the optimizer step and the codec do not shrink with the batch) and assigns
+again.
 
 The merge stays an average over samples: the sync weights each rank's contribution by its
 batch / batch_size (training.hier `scale`), and a DiLoCo merge by the samples the rank
@@ -27,6 +32,11 @@ from training.errors import SpecError
 from training.spec import LaunchSpec
 from training.topology import Topology
 
+Cost = tuple[float, float]
+"""A region's step time model: (fixed seconds, seconds per sample of a rank's batch)."""
+ROUNDS = 2
+"""Measure-and-assign rounds (see the module docstring)."""
+
 
 class Gather(Protocol):
     """Every rank's JSON value, in rank order (training.session.Control)."""
@@ -34,22 +44,22 @@ class Gather(Protocol):
     def gather(self, value: Any) -> list[Any]: ...
 
 
-def assign(seconds: Sequence[float], sizes: Sequence[int], total: int) -> list[int]:
+def assign(costs: Sequence[Cost], sizes: Sequence[int], total: int) -> list[int]:
     """Batch per rank of each region: integers >= 1 with sum(sizes[r] * b[r]) == total that
-    minimise max_r b[r] * seconds[r] (seconds per sample of region r's ranks). Deterministic:
-    the smallest such makespan, then each region in order takes the largest batch that
-    leaves the rest reachable. `total` must be reachable (W x batch_size always is)."""
-    if any(s <= 0 for s in seconds):  # an unmeasurable region: keep the batches equal
-        seconds = [1.0] * len(sizes)
-    limits = sorted({b * s for s in seconds for b in range(1, total + 1)})
+    minimise max_r fixed[r] + b[r] * per_sample[r]. Deterministic: the smallest such
+    makespan, then each region in order takes the largest batch that leaves the rest
+    reachable. `total` must be reachable (W x batch_size always is)."""
+    if any(s <= 0 for _, s in costs):  # an unmeasurable region: keep the batches equal
+        costs = [(0.0, 1.0)] * len(sizes)
+    limits = sorted({a + b * s for a, s in costs for b in range(1, total + 1)})
     lo, hi = 0, len(limits) - 1
     while lo < hi:  # the smallest makespan with an exact assignment
         mid = (lo + hi) // 2
-        if _reachable(_caps(limits[mid], seconds, sizes, total), sizes, total):
+        if _reachable(_caps(limits[mid], costs, sizes, total), sizes, total):
             hi = mid
         else:
             lo = mid + 1
-    caps = _caps(limits[lo], seconds, sizes, total)
+    caps = _caps(limits[lo], costs, sizes, total)
     out: list[int] = []
     left = total
     for r in range(len(sizes)):
@@ -64,9 +74,25 @@ def assign(seconds: Sequence[float], sizes: Sequence[int], total: int) -> list[i
     return out
 
 
-def _caps(limit: float, seconds: Sequence[float], sizes: Sequence[int], total: int) -> list[int]:
-    """The largest batch per rank of each region within `limit` seconds per step."""
-    return [min(int(limit / s + 1e-9), total // n) for s, n in zip(seconds, sizes, strict=True)]
+def fit(points: Sequence[tuple[int, float]]) -> Cost:
+    """A region's (fixed, per sample) through its last two (batch, seconds) measurements;
+    proportional (no fixed part) with one batch, or when the line would not be."""
+    b1, t1 = points[-1]
+    prop = (0.0, t1 / b1)
+    if len(points) < 2 or points[-2][0] == b1:
+        return prop
+    b0, t0 = points[-2]
+    slope = (t1 - t0) / (b1 - b0)
+    fixed = t1 - slope * b1
+    return (fixed, slope) if slope > 0 and fixed >= 0 else prop
+
+
+def _caps(limit: float, costs: Sequence[Cost], sizes: Sequence[int], total: int) -> list[int]:
+    """The largest batch per rank of each region within `limit` seconds per step (0: none)."""
+    return [
+        max(0, min(int((limit - a) / s + 1e-9), total // n))
+        for (a, s), n in zip(costs, sizes, strict=True)
+    ]
 
 
 def _suffix(caps: Sequence[int], sizes: Sequence[int], total: int) -> int:
@@ -102,20 +128,23 @@ class Balancer:
     batch: int = 0
     """This rank's batch now (0: not started)."""
     samples: list[float] = field(default_factory=list)
-    """Compute seconds per sample of the steps measured so far."""
+    """Compute seconds of the steps measured so far at the current batch."""
     history: list[tuple[int, int]] = field(default_factory=list)
     """(first step, batch per rank) of every batch this start used."""
     merged_at: int | None = None
     """First step of the current DiLoCo merge interval (None: this start's first)."""
+    points: list[list[tuple[int, float]]] = field(default_factory=list)
+    """Per region: (batch per rank, its slowest rank's compute seconds) of every round."""
     assigned: list[int] | None = None
     """Batch per rank of every region, once assigned."""
     offers: list[float] = field(default_factory=list)
-    """Every rank's measured compute seconds per sample, in rank order."""
+    """Every rank's offer (median compute seconds per step) of the last round."""
 
     def started(self, step: int, batch: int) -> None:
         if not self.history:
             self.history.append((step, batch))
             self.batch = batch
+            self.points = [[] for _ in self.sizes]
 
     def scale(self) -> float:
         """This rank's per-step weight in the sync (training.hier `scale`)."""
@@ -123,19 +152,24 @@ class Balancer:
 
     def after_step(self, step: int, compute_s: float) -> int | None:
         """Record step `step` (0-based, just done); returns the new batch per rank when this
-        step ends the measurement (every rank at the same step), else None."""
-        first = self.history[0][0]
-        if self.assigned is not None or step == first:  # the first step warms caches
-            return None
-        self.samples.append(compute_s / self.batch)
+        step ends a round (every rank at the same step), else None."""
+        rounds = len(self.history) - 1
+        if rounds >= ROUNDS or step == self.history[-1][0]:  # a new batch's first step
+            return None  # warms caches and allocators: not measured
+        self.samples.append(compute_s)
         if len(self.samples) < self.measure:
             return None
-        offers = self.gather.gather([self.region, statistics.median(self.samples)])
-        slowest = [0.0] * len(self.sizes)
-        self.offers = [float(sec) for _, sec in offers]
-        for region, sec in offers:
-            slowest[region] = max(slowest[region], float(sec))
-        self.assigned = assign(slowest, self.sizes, sum(self.sizes) * self.batch_size)
+        offers = self.gather.gather([self.region, self.batch, statistics.median(self.samples)])
+        self.offers = [float(sec) for _, _, sec in offers]
+        self.samples = []
+        slowest: dict[int, tuple[int, float]] = {}
+        for region, batch, sec in offers:
+            if region not in slowest or float(sec) > slowest[region][1]:
+                slowest[region] = (int(batch), float(sec))
+        for region, point in sorted(slowest.items()):
+            self.points[region].append(point)
+        costs = [fit(p) for p in self.points]
+        self.assigned = assign(costs, self.sizes, sum(self.sizes) * self.batch_size)
         self.batch = self.assigned[self.region]
         self.history.append((step + 1, self.batch))
         return self.batch
@@ -194,4 +228,10 @@ def stepped(job: Any, compute_s: float) -> None:
     if job.topo.rank == 0:
         assert bal.assigned is not None  # set by after_step
         per_rank = dict(zip(job.topo.region_names, bal.assigned, strict=True))
-        job.emit("balance", step=job.step, batch_per_rank=per_rank, seconds=bal.offers)
+        job.emit(
+            "balance",
+            step=job.step,
+            round=len(bal.history) - 1,
+            batch_per_rank=per_rank,
+            seconds=bal.offers,
+        )

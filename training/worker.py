@@ -525,7 +525,8 @@ def report(job: Job, loss: float, step_s: float, sync_s: float, merged: bool) ->
     )
     dist.all_reduce(stats, group=job.groups.intra)  # region totals (never crosses borders)
     L = job.topo.local_size
-    tps = (job.spec.batch_size * job.spec.seq_len) / step_s
+    batch = job.balance.batch if job.balance is not None else job.spec.batch_size
+    tps = (batch * job.spec.seq_len) / step_s
     m.step.set(job.step)
     m.loss.set(loss)
     m.step_s.set(step_s)

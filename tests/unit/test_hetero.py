@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from training.balance import Balancer, assign
+from training.balance import Balancer, assign, fit
 from training.codec import Codec
 from training.hier import HierarchicalAllReduce, flat_average
 from training.spec import CodecSpec
@@ -84,33 +84,50 @@ def test_weighted_merge_of_uneven_batches_equals_the_gradient_over_every_sample(
 
 
 def test_assignment_keeps_the_global_batch_and_gives_the_fast_region_more() -> None:
-    b = assign([2.0, 1.0], [1, 2], 6)  # region 0 twice as slow per sample
+    b = assign([(0, 2.0), (0, 1.0)], [1, 2], 6)  # region 0 twice as slow per sample
     assert b == [2, 2]  # 1 x 2 + 2 x 2 = 6; [4, 1] would take 8 s, [2, 2] 4 s
-    b = assign([3.0, 1.0, 1.0], [2, 2, 2], 24)
-    assert sum(n * x for n, x in zip([2, 2, 2], b, strict=True)) == 24
-    assert b[0] < b[1] and max(x * s for x, s in zip(b, [3.0, 1.0, 1.0], strict=True)) <= 9
-    assert assign([1.0, 1.0], [1, 2], 6) == [2, 2]  # equal speed: equal batches
+    costs = [(0.0, 3.0), (0.0, 1.0), (0.0, 1.0)]
+    b = assign(costs, [2, 2, 2], 24)
+    assert sum(2 * x for x in b) == 24 and b[0] < b[1]
+    assert max(x * s for x, (_, s) in zip(b, costs, strict=True)) == 6  # the optimum
+    assert assign([(0, 1.0), (0, 1.0)], [1, 2], 6) == [2, 2]  # equal speed: equal batches
+    # a fixed cost per step (optimizer, codec) moves samples to the other region
+    assert assign([(0.2, 0.1), (0.0, 0.1)], [1, 1], 8) == [3, 5]
+
+
+def test_a_region_time_is_fitted_through_its_two_measurements() -> None:
+    assert fit([(4, 0.8)]) == (0.0, 0.2)
+    fixed, per_sample = fit([(4, 0.8), (2, 0.6)])
+    assert (fixed, per_sample) == pytest.approx((0.4, 0.1))
+    assert fit([(4, 0.8), (2, 0.9)]) == pytest.approx((0.0, 0.45))  # noise: proportional
 
 
 class _Offers:
-    """Stands in for the authenticated all-gather: every rank's (region, seconds)."""
+    """Stands in for the authenticated all-gather: every rank's (region, batch, seconds)
+    of each round, checked against what this rank offers."""
 
-    def __init__(self, offers: list[list[float]]) -> None:
-        self.offers = offers
+    def __init__(self, rounds: list[list[list[float]]]) -> None:
+        self.rounds = rounds
 
     def gather(self, value: Any) -> list[Any]:
-        assert value in self.offers
-        return self.offers
+        offers = self.rounds.pop(0)
+        assert value in offers
+        return offers
 
 
-def test_balancer_assigns_after_the_measured_steps_and_weights_a_spanning_merge() -> None:
-    offers = [[0, 0.4], [1, 0.1], [1, 0.1]]
-    bal = Balancer(_Offers(offers), batch_size=4, sizes=(1, 2), region=0, measure=2)
+def test_balancer_assigns_twice_and_weights_a_merge_that_spans_the_batches() -> None:
+    rounds = [[[0, 4, 1.6], [1, 4, 0.4], [1, 4, 0.4]], [[0, 2, 1.0], [1, 5, 0.5], [1, 5, 0.5]]]
+    bal = Balancer(_Offers(rounds), batch_size=4, sizes=(1, 2), region=0, measure=2)
     bal.started(0, 4)
-    assert bal.after_step(0, 9.9) is None  # the first step is not measured
+    assert bal.after_step(0, 9.9) is None  # a batch's first step is not measured
     assert bal.after_step(1, 1.6) is None
-    assert bal.after_step(2, 1.6) == 2  # region 0: 0.4 s/sample -> batch 2, region 1: 5
+    assert bal.after_step(2, 1.6) == 2  # proportional: 0.4 s/sample vs 0.1 -> [2, 5]
     assert bal.assigned == [2, 5] and bal.scale() == 0.5
+    assert bal.after_step(3, 5.0) is None  # the new batch's first step
+    assert bal.after_step(4, 1.0) is None
+    # beijing: 1.0 s at 2 and 1.6 s at 4: 0.4 s fixed + 0.3 s/sample; frankfurt 0.1/sample
+    assert bal.after_step(5, 1.0) == 2
+    assert bal.assigned == [2, 5] and bal.after_step(7, 1.0) is None  # two rounds only
     # a merge after step 5 covers steps 0..5: 3 steps at batch 4, 3 at batch 2
     assert bal.merge_scale(5, warmup=0) == pytest.approx((3 * 4 + 3 * 2) / (6 * 4))
     assert bal.merge_scale(7, warmup=0) == pytest.approx(0.5)  # steps 6..7 at batch 2
