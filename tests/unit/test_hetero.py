@@ -3,11 +3,17 @@ throughput balance's assignment (training.topology, training.hier, training.bala
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+import yaml
 
+from infra.model import load_stack
+from infra.model.load import STACKS_DIR
+from infra.plan import build_plan
+from infra.render import render_launch_spec
 from training.balance import Balancer, assign, fit
 from training.codec import Codec
 from training.hier import HierarchicalAllReduce, flat_average
@@ -131,3 +137,26 @@ def test_balancer_assigns_twice_and_weights_a_merge_that_spans_the_batches() -> 
     # a merge after step 5 covers steps 0..5: 3 steps at batch 4, 3 at batch 2
     assert bal.merge_scale(5, warmup=0) == pytest.approx((3 * 4 + 3 * 2) / (6 * 4))
     assert bal.merge_scale(7, warmup=0) == pytest.approx(0.5)  # steps 6..7 at batch 2
+
+
+def test_a_stack_of_uneven_regions_renders_a_launch_spec_with_the_balance(
+    tmp_path: Path,
+) -> None:
+    doc = yaml.safe_load((STACKS_DIR / "Pulumi.local.yaml").read_text())
+    cfg = doc["config"]
+    cfg["geotrain:regions"][0]["pool"]["nodes"][0]["gpus"] = 1
+    cfg["geotrain:regions"][2]["pool"]["nodes"][0]["gpus"] = 3
+    cfg["geotrain:training"]["balance"] = "throughput"
+    path = tmp_path / "Pulumi.uneven.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    spec = render_launch_spec(build_plan(load_stack(str(path))))
+    assert [sum(n.nprocs for n in r.nodes) for r in spec.regions] == [1, 2, 3]
+    assert spec.balance == "throughput" and spec.world_size == 6
+    topo = Topology.of(spec, 5)
+    assert (topo.region, topo.local_rank, topo.cross_size, topo.in_cross) == (
+        "silicon-valley",
+        2,
+        1,
+        False,
+    )
+    assert topo.peer_ranks(0) == [0, 1, 3]
