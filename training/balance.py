@@ -17,7 +17,8 @@ again.
 The merge stays an average over samples: the sync weights each rank's contribution by its
 batch / batch_size (training.hier `scale`), and a DiLoCo merge by the samples the rank
 processed since the last merge over the mean per rank (pseudo-gradients weighted by tokens).
-The assignment is not checkpointed: a restarted run measures again.
+The assignment is not checkpointed: a restarted run measures again, and a merge interval
+that a restart cut is weighted by the samples since the restart.
 """
 
 from __future__ import annotations
