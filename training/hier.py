@@ -1,8 +1,12 @@
 """Hierarchical, compressed, encrypted all-reduce.
 
-One sync of a flat fp32 tensor (N,), L workers per region, R regions:
-  1. reduce-scatter inside the region: rank l holds the region's sum of shard l (N/L,)
-  2. across regions, in the cross group of local rank l (one peer per region): a
+One sync of a flat fp32 tensor (N,), L_r workers in region r, R regions, C = min_r L_r
+cross groups (training.topology):
+  0. scale by this rank's share of the global batch (`scale`; 1 when every rank holds as
+     many samples), so the result is the average over samples, not over ranks
+  1. reduce-scatter inside the region: local rank c < C holds the region's sum of shard c
+     (N/C,); local ranks >= C only send (with equal regions C = L: every rank holds one)
+  2. across regions, in the cross group of local rank c (one peer per region): a
      reduce-scatter then an all-gather of that shard, each payload error-fed, encoded
      (quantize, shuffle, zstd, SM4-GCM), verified and decoded; see `_exchange`
   3. divide by the world size
@@ -70,11 +74,15 @@ class HierarchicalAllReduce:
 
     secure: SecureSum | None = None
     """The masked scatter stage; set from codec.secure_aggregation (training.secagg)."""
+    scale: float = 1.0
+    """This rank's samples / the mean samples per rank (training.balance): contributions
+    are weighted by it, so the result is the average over every sample of the world."""
 
     def __post_init__(self) -> None:
         if self.codec.session is None:
             self.codec.bind(Session.unagreed(self.run_id))
-        if self.codec.spec.secure_aggregation and self.topo.regions > 1:
+        secure = self.codec.spec.secure_aggregation and self.topo.in_cross
+        if secure and self.topo.regions > 1:
             self.secure = SecureSum(self.topo, self.groups.cross, self.codec, self.error_feedback)
 
     @property
@@ -87,45 +95,62 @@ class HierarchicalAllReduce:
         t0 = time.perf_counter()
         topo, g = self.topo, self.groups
         n = x.numel()
-        L = topo.local_size
-        padded = torch.nn.functional.pad(x.detach().float().reshape(-1), (0, (-n) % L))
-        shard = self._intra_reduce_scatter(padded.to(g.device))  # (N/L,)
-        self.stats.intra_bytes += 4 * shard.numel() * (L - 1)
-        total = self._exchange(shard.cpu(), step, bucket)  # (N/L,) sum over all regions
-        total.div_(topo.world_size)
-        full = self._intra_all_gather(total.to(g.device))
-        self.stats.intra_bytes += 4 * shard.numel() * (L - 1)
+        L, C = topo.local_size, topo.cross_size
+        flat = x.detach().float().reshape(-1)
+        if self.scale != 1.0:
+            flat = flat * self.scale
+        padded = torch.nn.functional.pad(flat, (0, (-n) % C))
+        S = padded.numel() // C
+        shard = self._intra_reduce_scatter(padded.to(g.device))  # (S,); (0,) off cross
+        self.stats.intra_bytes += 4 * S * (L - 1)
+        if topo.in_cross:
+            total = self._exchange(shard.cpu(), step, bucket)  # (S,) sum over all regions
+            total.div_(topo.world_size)
+        else:
+            total = shard.cpu()
+        full = self._intra_all_gather(total.to(g.device), S)
+        self.stats.intra_bytes += 4 * S * (L - 1)
         self.stats.sync_seconds += time.perf_counter() - t0
         self.stats.syncs += 1
         return full[:n].view_as(x).to(x.device)
 
     def _intra_reduce_scatter(self, x: torch.Tensor) -> torch.Tensor:
-        """(L * S,) -> (S,): the region's sum of this rank's shard. NCCL has a native
-        reduce-scatter; gloo's is an all-reduce underneath (all N values reduced on every
-        rank), so on gloo each rank receives only its shard from every peer (one
-        all-to-all, (L - 1) / L of N sent) and sums the L copies in rank order."""
-        L, g = self.topo.local_size, self.groups
+        """(C * S,) -> (S,): the region's sum of this rank's shard; (0,) on a local rank
+        >= C. NCCL has a native reduce-scatter (C = L); gloo's is an all-reduce underneath
+        (all N values reduced on every rank), so on gloo each rank c < C receives only its
+        shard from every peer (one all-to-all, (L - 1) / L of N sent) and sums the L
+        copies in rank order."""
+        L, C, g = self.topo.local_size, self.topo.cross_size, self.groups
         if L == 1:
             return x
-        if x.device.type == "cuda":
-            out = torch.empty(x.numel() // L, dtype=x.dtype, device=x.device)
+        S = x.numel() // C
+        if x.device.type == "cuda" and C == L:
+            out = torch.empty(S, dtype=x.dtype, device=x.device)
             dist.reduce_scatter_single(out, x, group=g.intra)
             return out
-        got = torch.empty_like(x)
-        dist.all_to_all_single(got, x, group=g.intra)  # row i: rank i's copy of my shard
-        return got.view(L, -1).sum(dim=0)
+        mine = self.topo.in_cross
+        got = torch.empty(L * S if mine else 0, dtype=x.dtype, device=x.device)
+        dist.all_to_all_single(  # row i: rank i's copy of my shard
+            got, x, [S if mine else 0] * L, [S] * C + [0] * (L - C), group=g.intra
+        )
+        return got.view(L, S).sum(dim=0) if mine else got
 
-    def _intra_all_gather(self, shard: torch.Tensor) -> torch.Tensor:
-        """(S,) -> (L * S,): every rank's shard, in rank order. On gloo an all-to-all of
-        the shard to every peer moves the same bytes as a ring all-gather in one round."""
-        L, g = self.topo.local_size, self.groups
+    def _intra_all_gather(self, shard: torch.Tensor, S: int) -> torch.Tensor:
+        """(S,) on local ranks < C ((0,) on the others) -> (C * S,): every shard, in rank
+        order. On gloo an all-to-all of the shard to every peer moves the same bytes as a
+        ring all-gather in one round."""
+        L, C, g = self.topo.local_size, self.topo.cross_size, self.groups
         if L == 1:
             return shard
-        out = torch.empty(L * shard.numel(), dtype=shard.dtype, device=shard.device)
-        if shard.device.type == "cuda":
+        out = torch.empty(C * S, dtype=shard.dtype, device=shard.device)
+        if shard.device.type == "cuda" and C == L:
             dist.all_gather_single(out, shard, group=g.intra)
-        else:
-            dist.all_to_all_single(out, shard.expand(L, -1).reshape(-1), group=g.intra)
+            return out
+        mine = self.topo.in_cross
+        send = shard.expand(L, -1).reshape(-1) if mine else shard
+        dist.all_to_all_single(
+            out, send, [S] * C + [0] * (L - C), [S if mine else 0] * L, group=g.intra
+        )
         return out
 
     def _exchange(self, shard: torch.Tensor, step: int, bucket: int) -> torch.Tensor:

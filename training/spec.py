@@ -34,6 +34,7 @@ Device = Literal["cuda", "cpu"]
 Quantize = Literal["none", "fp16", "bf16", "int8", "int4"]
 Cipher = Literal["sm4-gcm", "aes-gcm", "none"]
 SyncMode = Literal["allreduce", "diloco"]
+Balance = Literal["off", "throughput"]
 
 
 @dataclass(frozen=True, config=_STRICT)
@@ -160,6 +161,10 @@ class LaunchSpec:
     """Seed."""
     bucket_mb: Positive = 4.0
     """Gradient bucket size."""
+    balance: Balance = "off"
+    """throughput: batch per rank set per region by measured speed (training.balance)."""
+    balance_steps: Count = 5
+    """Steps measured before the throughput balance assigns batches."""
     codec: CodecSpec = field(default_factory=CodecSpec)
     """Cross-region codec."""
     diloco: DilocoSpec = field(default_factory=DilocoSpec)
@@ -295,8 +300,10 @@ _FIX = "re-render it with `geotrain render --stack S --out DIR`"
 
 
 def check_ranks(regions: list[RegionSpec]) -> None:
-    """Ranks run contiguously from 0 in region order, and every region has as many
-    workers: the hierarchical all-reduce pairs local ranks across regions."""
+    """Ranks run contiguously from 0 in region order, and a region's nodes share one device
+    kind (its intra-region group is NCCL or gloo). Regions may differ in worker count:
+    the hierarchical all-reduce pairs the first min-region-size local ranks
+    (training.topology)."""
     expect = 0
     for r in regions:
         for n in r.nodes:
@@ -306,13 +313,12 @@ def check_ranks(regions: list[RegionSpec]) -> None:
                     f"from 0 in region order (expected first_rank {expect})"
                 )
             expect += n.nprocs
-    sizes = {sum(n.nprocs for n in r.nodes) for r in regions}
-    if len(sizes) > 1:
-        raise ValueError(
-            f"regions have different worker counts {sorted(sizes)}; the hierarchical "
-            "all-reduce pairs local ranks across regions, so every region needs the same "
-            "number of workers"
-        )
+        devices = sorted({n.device for n in r.nodes})
+        if len(devices) > 1:
+            raise ValueError(
+                f"region {r.name} mixes devices {devices}; a region's workers share one "
+                "collective backend, so split it into two regions"
+            )
 
 
 def spec_error(e: ValidationError, source: str) -> SpecError:

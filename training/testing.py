@@ -8,7 +8,7 @@ import os
 import pickle
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from queue import Empty
 from typing import Any
@@ -23,10 +23,12 @@ REGION_NAMES = ("beijing", "frankfurt", "silicon-valley", "singapore")
 JURISDICTIONS = ("CN", "EU", "US", "SG")
 
 
-def make_spec(regions: int = 3, local: int = 2, **overrides: Any) -> LaunchSpec:
-    """A launch spec for `regions` x `local` CPU workers on 127.0.0.1."""
+def make_spec(regions: int = 3, local: int | Sequence[int] = 2, **overrides: Any) -> LaunchSpec:
+    """A launch spec for `regions` x `local` CPU workers on 127.0.0.1; `local` a sequence:
+    workers per region (heterogeneous pools)."""
+    sizes = [local] * regions if isinstance(local, int) else list(local)
     rs = []
-    for i in range(regions):
+    for i, size in enumerate(sizes):
         rs.append(
             RegionSpec(
                 name=REGION_NAMES[i],
@@ -35,8 +37,8 @@ def make_spec(regions: int = 3, local: int = 2, **overrides: Any) -> LaunchSpec:
                     NodeSpec(
                         name=f"n{i}",
                         host="127.0.0.1",
-                        first_rank=i * local,
-                        nprocs=local,
+                        first_rank=sum(sizes[:i]),
+                        nprocs=size,
                         device="cpu",
                     )
                 ],

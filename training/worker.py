@@ -22,7 +22,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from training import gloo, ledger_hooks
+from training import balance, gloo, ledger_hooks
+from training.balance import Balancer
 from training.checkpoint import (
     ALLOW_ROLLBACK_ENV,
     Checkpointer,
@@ -94,6 +95,8 @@ class Job:
     """This region's signed training ledger (region leaders with a run dir only)."""
     privacy: RegionPrivacy | None = None
     """DP-SGD of this rank's region (None: the region has no privacy settings)."""
+    balance: Balancer | None = None
+    """Throughput balance of the batch per rank (None: `balance: off`)."""
 
     @property
     def leader(self) -> bool:
@@ -234,6 +237,7 @@ def setup(
         node=node.name,
         control=Control(key, session, "steps"),
         privacy=privacy,
+        balance=balance.for_job(spec, topo, Control(key, session, "balance")),
     )
     job.metrics.reject(previous_rejects(events, rank))  # the count survives restarts
     job.ledger = ledger_hooks.open_for(spec, topo, key, session, run_dir, node.name)
@@ -305,10 +309,10 @@ def prime(job: Job) -> None:
     if job.diloco is not None:
         prime_optimizer(job.diloco.outer)
     if job.sync.error_feedback:
-        L = job.topo.local_size
+        C = job.topo.cross_size
         R = job.topo.regions
         for b, params in enumerate(_buckets(list(job.model.parameters()), job.spec.bucket_mb)):
-            shard = -(-sum(p.numel() for p in params) // L)
+            shard = -(-sum(p.numel() for p in params) // C)
             job.sync.residual(b, -(-shard // R))
 
 
@@ -435,7 +439,8 @@ def merge(job: Job) -> None:
     """The periodic global merge (training.diloco), signed into the ledger."""
     assert job.diloco is not None  # only called in diloco mode
     pg = ledger_hooks.hasher(job)  # the region's pseudo-gradient, for the ledger
-    job.diloco.merge(job.step, pg)
+    with balance.merging(job.balance, job.sync, job.step, job.spec.diloco.warmup_steps):
+        job.diloco.merge(job.step, pg)
     ledger_hooks.merged(job, pg)
     job.metrics.merges.inc()
 
@@ -512,14 +517,9 @@ def train_step(job: Job) -> None:
     if ckpt_due:
         job.ckpt.save(job.step, state_dict(job))
         job.last_save = time.monotonic()
-    report(
-        job,
-        loss,
-        time.perf_counter() - t0,
-        job.sync.stats.sync_seconds - sync_before,
-        merge_due,
-        compute,
-    )
+    step_s, sync_s = time.perf_counter() - t0, job.sync.stats.sync_seconds - sync_before
+    report(job, loss, step_s, sync_s, merge_due, compute)
+    balance.stepped(job, step_s - sync_s)  # throughput balance: measure, then assign
 
 
 def report(
@@ -531,7 +531,8 @@ def report(
     )
     dist.all_reduce(stats, group=job.groups.intra)  # region totals (never crosses borders)
     L = job.topo.local_size
-    tps = (job.spec.batch_size * job.spec.seq_len) / step_s
+    batch = job.balance.batch if job.balance is not None else job.spec.batch_size
+    tps = (batch * job.spec.seq_len) / step_s
     m.step.set(job.step)
     m.loss.set(loss)
     m.step_s.set(step_s)

@@ -209,17 +209,27 @@ def _pools(m: StackModel, source: str) -> None:
 
 
 def _workers(m: StackModel, source: str) -> None:
-    counts = [sum(n.gpus for n in r.pool.nodes) for r in m.regions]
+    """Regions may differ in GPU type and count (training.topology pairs the first
+    min-region-size local ranks across regions), but one region's workers share one
+    intra-region backend: NCCL for GPUs, gloo for CPU workers."""
     for i, r in enumerate(m.regions):
-        if counts[i] != counts[0]:
+        kinds = {n.gpu_type == "cpu" for n in r.pool.nodes}
+        if len(kinds) > 1:
             raise _err(
                 source,
                 f"regions[{i}].pool.nodes",
-                f"region {r.name} has {counts[i]} "
-                f"workers but {m.regions[0].name} has {counts[0]}; the hierarchical "
-                "all-reduce pairs local ranks across regions, so give every region "
-                "the same number of GPUs",
+                f"region {r.name} mixes cpu and GPU nodes; its workers share one "
+                "collective backend (NCCL or gloo): give every node of a region GPUs, or "
+                "none, or split it into two regions",
             )
+    privacy = [r.name for r in m.regions if r.privacy is not None]
+    if m.training.balance == "throughput" and privacy:
+        raise _err(
+            source,
+            "training.balance",
+            f"throughput changes batches per rank, which DP-SGD's sampling rate fixes in "
+            f"{', '.join(privacy)}; set training.balance: off, or remove privacy",
+        )
 
 
 def _links(m: StackModel, source: str) -> None:

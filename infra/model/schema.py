@@ -340,6 +340,11 @@ class Training(Strict):
     """Restarts after a worker dies (torchrun --max-restarts semantics)."""
     bucket_mb: float = Field(default=4.0, gt=0, le=1024)
     """Gradient bucket size for the hierarchical all-reduce."""
+    balance: Literal["off", "throughput"] = "off"
+    """throughput: measure each region's speed, then give faster regions bigger batches per
+    rank (global batch kept) so no region waits at the sync (training.balance)."""
+    balance_steps: int = Field(default=5, ge=1, le=1000)
+    """Steps measured (after the first) before the throughput balance assigns batches."""
 
 
 Severity = Literal["critical", "warning"]

@@ -68,6 +68,8 @@ def render_launch_spec(plan: Plan) -> LaunchSpec:
         lr=t.lr,
         seed=t.seed,
         bucket_mb=t.bucket_mb,
+        balance=t.balance,
+        balance_steps=t.balance_steps,
         codec=CodecSpec(
             quantize=c.quantize,
             block_size=c.block_size,

@@ -48,6 +48,14 @@ def _set(path: str, value: Any) -> Any:
     return mutate
 
 
+def _both(*mutations: Any) -> Any:
+    def mutate(cfg: dict[str, Any]) -> None:
+        for m in mutations:
+            m(cfg)
+
+    return mutate
+
+
 BROKEN = [
     # (id, base stack, mutation, expected key path, expected words in message)
     (
@@ -143,11 +151,21 @@ BROKEN = [
         "use one of bj-gw",
     ),
     (
-        "uneven-workers",
+        "region-mixes-cpu-and-gpu",
+        "lab",
+        _set("geotrain:regions.0.pool.nodes.1.gpu_type", "H100-80GB"),
+        "geotrain:regions[0].pool.nodes",
+        "mixes cpu and GPU nodes",
+    ),
+    (
+        "balance-with-privacy",
         "local",
-        _set("geotrain:regions.0.pool.nodes.0.gpus", 3),
-        "geotrain:regions[1].pool.nodes",
-        "same number of GPUs",
+        _both(
+            _set("geotrain:training.balance", "throughput"),
+            _set("geotrain:regions.1.privacy", {"target_epsilon": 4}),
+        ),
+        "geotrain:training.balance",
+        "DP-SGD's sampling rate fixes in frankfurt",
     ),
     (
         "asn-out-of-range",

@@ -53,9 +53,11 @@ def test_spec_survives_json_with_every_field_and_its_type() -> None:
         (lambda r: r.update(checkpoint=[]), "checkpoint", "[] should be an object"),
         (lambda r: _node(r).update(first_rank=3), "regions", "ranks must be contiguous"),
         (
-            lambda r: r["regions"][1]["nodes"].append({**_node(r), "name": "n9", "first_rank": 4}),
+            lambda r: r["regions"][1]["nodes"].append(
+                {**_node(r), "name": "n9", "first_rank": 4, "device": "cuda"}
+            ),
             "regions",
-            "every region needs the same number of workers",
+            "region frankfurt mixes devices ['cpu', 'cuda']",
         ),
         (
             lambda r: r["regions"][0].update(privacy={"target_epsilon": 4}),
