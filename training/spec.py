@@ -98,6 +98,17 @@ class DilocoSpec:
     """Outer Nesterov momentum."""
     warmup_steps: int = 0
     """First steps synced every step across regions before DiLoCo starts (training.diloco)."""
+    fragments: int = 1
+    """Streaming DiLoCo: contiguous groups of sync buckets merged on staggered steps."""
+    tau: int = 0
+    """Streaming DiLoCo: inner steps a fragment's merge lands late (its exchange overlaps them)."""
+    mix: float = 0.0
+    """Share of the local progress made during those tau steps kept on the merged fragment."""
+
+    @property
+    def streaming(self) -> bool:
+        """Fragments or late merges: training.diloco's streaming schedule."""
+        return self.fragments > 1 or self.tau > 0
 
 
 @dataclass(frozen=True)
@@ -278,7 +289,25 @@ def _from_dict(raw: Any, source: str) -> LaunchSpec:
             f"{source}: malformed launch spec ({e}); re-render it with `geotrain render`"
         ) from None
     _check_ranks(spec, source)
+    _check_diloco(spec.diloco, source)
     return spec
+
+
+def _check_diloco(d: DilocoSpec, source: str) -> None:
+    """The streaming settings' bounds (infra.model.checks says the same for the stack)."""
+    if not d.streaming:
+        return
+    where = f"{source}: diloco"
+    if d.every_steps is None:
+        raise SpecError(f"{where}: fragments/tau need step-based merges (every_steps), not minutes")
+    if d.fragments < 1 or d.fragments > d.every_steps:
+        raise SpecError(
+            f"{where}.fragments {d.fragments} must be in 1..every_steps ({d.every_steps})"
+        )
+    if not 0 <= d.tau < d.every_steps:
+        raise SpecError(f"{where}.tau {d.tau} must be in 0..every_steps - 1 ({d.every_steps - 1})")
+    if not 0.0 <= d.mix <= 1.0:
+        raise SpecError(f"{where}.mix {d.mix} must be in [0, 1]")
 
 
 def _check_ranks(spec: LaunchSpec, source: str) -> None:

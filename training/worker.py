@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from training import gloo, ledger_hooks
+from training import gloo, ledger_hooks, streaming
 from training.checkpoint import (
     ALLOW_ROLLBACK_ENV,
     Checkpointer,
@@ -245,7 +245,8 @@ def setup(
     ckpt.on_commit = on_commit
     if spec.sync == "diloco":
         buckets = _buckets(list(model.parameters()), spec.bucket_mb)
-        job.diloco = DiLoCo(buckets, spec.diloco, sync)
+        stream = streaming.twin(sync) if spec.diloco.tau > 0 else None  # its own groups
+        job.diloco = DiLoCo(buckets, spec.diloco, sync, stream)
     prime(job)
     job.metrics.serve(*metrics_endpoint(spec, node, local_rank))
     return job
@@ -431,13 +432,21 @@ def region_average_grads(job: Job) -> None:
     _scatter(flat, _grads(params))
 
 
-def merge(job: Job) -> None:
-    """The periodic global merge (training.diloco), signed into the ledger."""
-    assert job.diloco is not None  # only called in diloco mode
-    pg = ledger_hooks.hasher(job)  # the region's pseudo-gradient, for the ledger
-    job.diloco.merge(job.step, pg)
-    ledger_hooks.merged(job, pg)
-    job.metrics.merges.inc()
+def merge(job: Job, due: bool, settle: bool) -> bool:
+    """The periodic global merge (training.diloco) when `due`, each merge applied signed
+    into the ledger; `settle`: a checkpoint follows, so merges in flight land now.
+    Returns whether a merge was applied."""
+    d = job.diloco
+    if d is None:
+        return False
+    # the region's pseudo-gradient, for the ledger
+    done = d.advance(job.step, job.spec.steps, lambda: ledger_hooks.hasher(job)) if due else []
+    if settle:
+        done += d.settle()
+    for pg in done:
+        ledger_hooks.merged(job, pg)  # type: ignore[arg-type]  # the hashers made above
+        job.metrics.merges.inc()
+    return bool(done)
 
 
 def params_digest(model: torch.nn.Module) -> str:
@@ -501,8 +510,7 @@ def train_step(job: Job) -> None:
     if job.diloco is not None:
         job.diloco.step_done(job.step)  # the end of the warm-up takes the global copy
     merge_due, ckpt_due = _due(job)
-    if merge_due:
-        merge(job)
+    merged = merge(job, merge_due, ckpt_due)
     job.step += 1
     job.tokens += tokens.numel() - tokens.shape[0]
     if ckpt_due:
@@ -513,7 +521,7 @@ def train_step(job: Job) -> None:
         loss,
         time.perf_counter() - t0,
         job.sync.stats.sync_seconds - sync_before,
-        merge_due,
+        merged,
     )
 
 
@@ -610,6 +618,7 @@ def run(
         stop = last_step(job)
         while job.step < stop.step:
             train_step(job)
+        merge(job, False, True)  # a run stopped early: no exchange left in flight
     except PayloadRejected as e:
         rejected(job, e)
         raise
