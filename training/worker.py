@@ -40,7 +40,7 @@ from training.errors import (
     PayloadRejected,
     SpecError,
 )
-from training.hier import HierarchicalAllReduce
+from training.hier import HierarchicalAllReduce, sync_buckets
 from training.keys import load_key
 from training.ledger import Ledger
 from training.metrics import RuntimeMetrics
@@ -397,16 +397,7 @@ def _grads(params: list[Any]) -> list[torch.Tensor]:
 
 
 def _buckets(params: list[torch.nn.Parameter], bucket_mb: float) -> list[list[torch.nn.Parameter]]:
-    limit = int(bucket_mb * 2**20 / 4)
-    out: list[list[torch.nn.Parameter]] = [[]]
-    size = 0
-    for p in params:
-        if out[-1] and size + p.numel() > limit:
-            out.append([])
-            size = 0
-        out[-1].append(p)
-        size += p.numel()
-    return out
+    return sync_buckets(params, bucket_mb)
 
 
 def sync_grads(job: Job) -> None:
