@@ -15,12 +15,14 @@ shard, never trained on; each region evaluates its own, the mean taken), and the
 training loss of the last 25 steps. Gaps are relative to allreduce int8.
 
 Run: nice -n 10 python benchmarks/diloco_parity.py [--steps 1000] [--only NAME ...]
-Saves benchmarks/results/diloco_parity.md (a partial --only run prints but does not save).
+[--cache FILE]. Saves benchmarks/results/diloco_parity.md once every row is measured (with
+--cache, rows measured before are taken from FILE, so a row can be re-measured alone).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 import time
@@ -123,7 +125,21 @@ def runs() -> list[Run]:
         Run("allreduce int8, cosine", sync="allreduce", quant="int8", schedule="cosine"),
         replace(base, name="H=50 int4, cosine", schedule="cosine"),
     ]
+    # remedies, from what the rows above showed: momentum 0.9 hurts over ~20 outer steps
+    avg = replace(base, outer_lr=1.0, outer_momentum=0.0)
+    out += [
+        replace(avg, name=AVG + " lr 1.4", outer_lr=1.4),
+        replace(avg, name="H=50 int4, outer Nesterov lr 1 momentum 0.5", outer_momentum=0.5),
+        replace(avg, name="H=25 int4, averaging", h=25),
+        replace(avg, name="H=100 int4, averaging", h=100),
+        replace(avg, name="H=50 int4, averaging, warm-up 100", warmup=100),
+        replace(avg, name="H=50 int4, averaging, cosine", schedule="cosine"),
+        replace(avg, name="H=50 int4, averaging, streaming 4 fragments tau 5", fragments=4, tau=5),
+    ]
     return out
+
+
+AVG = "H=50 int4, outer SGD"
 
 
 def _lr_factor(schedule: str, steps: int) -> Any:
@@ -244,35 +260,108 @@ def table(results: dict[str, dict[str, Any]], setup: Setup) -> str:
         gt = (r["train_tail"] - ref["train_tail"]) / ref["train_tail"]
         b = r["bytes_vs_fp32"]
         lines.append(
-            f"| {name} | {r['merges']} | {b:.5f} | {1 / b:,.0f}x | {r['eval']:.4f} | "
+            f"| {name} | {r['merges']} | {b:.6f} | {1 / b:,.0f}x | {r['eval']:.4f} | "
             f"{100 * ge:+.2f}% | {r['train_tail']:.4f} | {100 * gt:+.2f}% | {r['seconds']:.0f} |"
         )
     return "\n".join(lines) + "\n"
+
+
+BOUGHT = (
+    ("H 100 -> 50 (int4)", "diloco H=100 int4", "diloco H=50 int4"),
+    ("H 50 -> 25 (int4)", "diloco H=50 int4", "diloco H=25 int4"),
+    ("int4 -> int8 pseudo-gradients (H=50)", "diloco H=50 int4", "diloco H=50 int8"),
+    ("warm-up: 100 per-step steps first", "diloco H=50 int4", "H=50 int4, warm-up 100"),
+    ("outer lr 0.6 -> 0.4", "diloco H=50 int4", "H=50 int4, outer lr 0.4"),
+    ("outer lr 0.6 -> 0.8", "diloco H=50 int4", "H=50 int4, outer lr 0.8"),
+    (
+        "Nesterov 0.6/0.9 -> plain averaging",
+        "diloco H=50 int4",
+        "H=50 int4, outer SGD lr 1 (averaging)",
+    ),
+    ("streaming, 4 fragments, tau 5", "diloco H=50 int4", "H=50 int4, streaming 4 fragments tau 5"),
+    ("streaming, + mix 0.5", "diloco H=50 int4", "H=50 int4, streaming 4 fragments tau 5 mix 0.5"),
+    (
+        "one cosine inner schedule (gap to cosine allreduce)",
+        "diloco H=50 int4",
+        "H=50 int4, cosine",
+    ),
+    ("averaging -> outer SGD lr 1.4", AVG + " lr 1 (averaging)", AVG + " lr 1.4"),
+    (
+        "averaging -> Nesterov lr 1 momentum 0.5",
+        AVG + " lr 1 (averaging)",
+        "H=50 int4, outer Nesterov lr 1 momentum 0.5",
+    ),
+    ("averaging: H 50 -> 25", AVG + " lr 1 (averaging)", "H=25 int4, averaging"),
+    ("averaging: H 50 -> 100", AVG + " lr 1 (averaging)", "H=100 int4, averaging"),
+    ("averaging + warm-up 100", AVG + " lr 1 (averaging)", "H=50 int4, averaging, warm-up 100"),
+    ("averaging + one cosine schedule", AVG + " lr 1 (averaging)", "H=50 int4, averaging, cosine"),
+    (
+        "averaging + streaming (4 fragments, tau 5)",
+        AVG + " lr 1 (averaging)",
+        "H=50 int4, averaging, streaming 4 fragments tau 5",
+    ),
+)
+"""(technique, the row without it, the row with it): the eval-gap change it bought."""
+
+
+def bought(results: dict[str, dict[str, Any]]) -> str:
+    lines = [
+        "",
+        "What each technique bought (eval gap to the matching allreduce, in points; "
+        "negative closes the gap):",
+        "",
+        "| technique | without | with | change |",
+        "|---|---|---|---|",
+    ]
+    for what, a, b in BOUGHT:
+        if a in results and b in results:
+            ga, gb = _gap(results, a), _gap(results, b)
+            lines.append(f"| {what} | {ga:+.2f}% | {gb:+.2f}% | {gb - ga:+.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def _gap(results: dict[str, dict[str, Any]], name: str) -> float:
+    ref = results.get("allreduce int8, cosine") if "cosine" in name else None
+    ref = ref or results["allreduce int8"]
+    return 100 * (results[name]["eval"] - ref["eval"]) / ref["eval"]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=1000)
     ap.add_argument("--only", nargs="*", help="run only rows whose name contains one of these")
+    ap.add_argument(
+        "--cache",
+        type=Path,
+        help="JSON of finished rows: rows found there are not run again (with --only: the "
+        "others are taken from it, and the table is saved once every row is there)",
+    )
     a = ap.parse_args()
     setup = Setup(steps=a.steps)
-    todo = [r for r in runs() if not a.only or any(s in r.name for s in a.only)]
-    if a.only and not any(r.name == "allreduce int8" for r in todo):
-        todo.insert(0, runs()[0])  # the reference every gap is measured against
+    cached = json.loads(a.cache.read_text()) if a.cache and a.cache.exists() else {}
     results: dict[str, dict[str, Any]] = {}
-    for run in todo:
-        results[run.name] = measure(run, setup)
-        r = results[run.name]
-        print(
-            f"{run.name}: eval {r['eval']:.4f} train {r['train_tail']:.4f} "
-            f"bytes {r['bytes_vs_fp32']:.5f} ({r['seconds']:.0f} s)",
-            file=sys.stderr,
-        )
-    out = table(results, setup)
+    for run in runs():
+        chosen = a.only is None or any(s in run.name for s in a.only)
+        if run.name in cached and not (a.only and chosen):
+            results[run.name] = cached[run.name]
+        elif chosen or run.name == "allreduce int8":  # the reference of every gap
+            results[run.name] = measure(run, setup)
+            _progress(run.name, results[run.name])
+            if a.cache:
+                a.cache.write_text(json.dumps({**cached, **results}, indent=1))
+    out = table(results, setup) + bought(results)
     print(out)
-    if not a.only:
+    if len(results) == len(runs()):
         RESULTS.mkdir(exist_ok=True)
         (RESULTS / "diloco_parity.md").write_text(out)
+
+
+def _progress(name: str, r: dict[str, Any]) -> None:
+    print(
+        f"{name}: eval {r['eval']:.4f} train {r['train_tail']:.4f} "
+        f"bytes {r['bytes_vs_fp32']:.5f} ({r['seconds']:.0f} s)",
+        file=sys.stderr,
+    )
 
 
 if __name__ == "__main__":

@@ -207,9 +207,7 @@ class DiLoCo:
         gl, ps = self.global_params[lo:hi], self.params[lo:hi]
         mix = self.spec.mix
         kept: list[torch.Tensor] = []
-        if (
-            mix > 0 and self.spec.tau > 0
-        ):  # local now - local at send, where local at send = global - delta
+        if mix > 0 and self.spec.tau > 0:  # local now - local at the send (= global - delta)
             sent = _split(torch.cat(m.deltas), gl)
             kept = [p.detach() - (g - d) for p, g, d in zip(ps, gl, sent, strict=True)]
         for b, avg in zip(bs, averaged, strict=True):
