@@ -105,6 +105,8 @@ class Run:
     """Streaming: share of the in-flight local progress kept."""
     schedule: str = "constant"
     """Inner lr: constant (the worker's), or one cosine schedule over the whole run."""
+    lr_scale: float = 1.0
+    """Inner lr as a multiple of Setup.lr."""
 
 
 def runs() -> list[Run]:
@@ -135,6 +137,12 @@ def runs() -> list[Run]:
         replace(avg, name="H=50 int4, averaging, warm-up 100", warmup=100),
         replace(avg, name="H=50 int4, averaging, cosine", schedule="cosine"),
         replace(avg, name="H=50 int4, averaging, streaming 4 fragments tau 5", fragments=4, tau=5),
+        replace(avg, name="H=50 int4, averaging, warm-up 20", warmup=20),
+        replace(base, name="H=50 int4, outer lr 0.2", outer_lr=0.2),
+        # the floor of merging AdamW replicas: their updates averaged after every step
+        replace(avg, name="H=1 int4, averaging", h=1),
+        replace(avg, name="H=10 int4, averaging", h=10),
+        replace(avg, name="H=50 int4, averaging, inner lr / 2", lr_scale=0.5),
     ]
     return out
 
@@ -174,7 +182,7 @@ def _rank(rank: int, world: int, run: Run, setup: Setup) -> dict[str, Any]:
     sync = HierarchicalAllReduce(topo, groups, codec, "bench", error_feedback=True)
     torch.manual_seed(1234)  # the same initial weights in every region and every run
     model = DeepSeekLM(MODEL)
-    opt = torch.optim.AdamW(model.parameters(), lr=setup.lr, weight_decay=0.01)
+    opt = torch.optim.AdamW(model.parameters(), lr=setup.lr * run.lr_scale, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_factor(run.schedule, setup.steps))
     d = None
     if run.sync == "diloco":
@@ -248,7 +256,9 @@ def table(results: dict[str, dict[str, Any]], setup: Setup) -> str:
         "regions); train: mean training loss of the last 25 steps. Gaps against allreduce "
         "int8 (the cosine rows: against allreduce int8, cosine). Bytes: cross-region wire "
         "bytes over a flat fp32 ring all-reduce every step. Outer Nesterov momentum 0.9 and "
-        "lr 0.6 (the rule for 3 regions) unless the row says otherwise.",
+        "lr 0.6 (the rule for 3 regions) unless the row says otherwise; averaging: outer "
+        "SGD lr 1, momentum 0. Merges: streaming rows count fragment merges (a quarter of "
+        "the model each). One seed per row; wall seconds on a shared 2-core machine.",
         "",
         "| run | merges | bytes vs fp32 per step | fewer bytes | eval loss | eval gap | "
         "train loss | train gap | wall s |",
@@ -294,6 +304,11 @@ BOUGHT = (
     ("averaging: H 50 -> 25", AVG + " lr 1 (averaging)", "H=25 int4, averaging"),
     ("averaging: H 50 -> 100", AVG + " lr 1 (averaging)", "H=100 int4, averaging"),
     ("averaging + warm-up 100", AVG + " lr 1 (averaging)", "H=50 int4, averaging, warm-up 100"),
+    ("averaging + warm-up 20", AVG + " lr 1 (averaging)", "H=50 int4, averaging, warm-up 20"),
+    ("outer lr 0.6 -> 0.2", "diloco H=50 int4", "H=50 int4, outer lr 0.2"),
+    ("averaging: H 50 -> 1", AVG + " lr 1 (averaging)", "H=1 int4, averaging"),
+    ("averaging: H 50 -> 10", AVG + " lr 1 (averaging)", "H=10 int4, averaging"),
+    ("averaging, inner lr halved", AVG + " lr 1 (averaging)", "H=50 int4, averaging, inner lr / 2"),
     ("averaging + one cosine schedule", AVG + " lr 1 (averaging)", "H=50 int4, averaging, cosine"),
     (
         "averaging + streaming (4 fragments, tau 5)",
