@@ -153,6 +153,7 @@ def inputs_from_plan(plan: Plan, mfu: float, tokens: float | None = None) -> Inp
         usd_per_gpu_hour=usd,
         diloco_h=h,
         bits=_bits(t.compression.quantize),
+        stream_tau=t.diloco.tau or 5,  # the stack's tau when it streams; else the paper's 5
     )
 
 

@@ -211,6 +211,12 @@ def for_job(spec: LaunchSpec, topo: Topology, gather: Gather) -> Balancer | None
             "balance: throughput changes batches, which DP-SGD's sampling rate and privacy "
             "accounting fix per region; set balance: off in a stack with privacy"
         )
+    if spec.sync == "diloco" and spec.diloco.streaming:
+        raise SpecError(
+            "balance: throughput weights each merge by the samples of its interval, which "
+            "streaming fragments (fragments/tau) do not share; set balance: off, or "
+            "fragments: 1 and tau: 0"
+        )
     return Balancer(gather, spec.batch_size, topo.sizes, topo.region_index, spec.balance_steps)
 
 

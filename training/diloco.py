@@ -8,17 +8,32 @@ restarts from the new global weights.
 Warm-up: the first `warmup_steps` steps sync every step across regions (as `sync: allreduce`
 does); when they end, the global copy is taken from the (identical) weights and the merge
 schedule starts counting.
+
+Streaming (Douillard et al. 2025, "Streaming DiLoCo with overlapping communication";
+torchft's `DiLoCo(fragment_sync_delay=...)`): the sync buckets are cut into `fragments`
+contiguous groups of about equal size. Fragment f is sent k inner steps after the warm-up
+when k % H == f * H // fragments (so each fragment still merges every H steps, the
+fragments staggered), and its merge lands `tau` inner steps later: meanwhile a background
+thread runs the exchange (training.streaming) and the loop computes. The outer step uses
+the pseudo-gradient of the snapshot taken when it was sent (global - local at send time);
+the fragment then becomes the new global values plus `mix` times the local progress made
+since the send (0: replaced, as torchft's default fragment_update_alpha; 1: kept). The
+last step merges every fragment at once, blocking, so the regions end with one model.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 
+from training.errors import SpecError
 from training.spec import DilocoSpec
+from training.streaming import Background
 
 
 class Reducer(Protocol):
@@ -36,22 +51,48 @@ class Digest(Protocol):
     def update(self, t: torch.Tensor) -> Any: ...
 
 
+@dataclass
+class _InFlight:
+    """A fragment's merge between its send and its landing."""
+
+    fragment: int
+    lands: int
+    """The step after which it is applied (0-based, as `step` everywhere here)."""
+    deltas: list[torch.Tensor]
+    """This region's pseudo-gradient per bucket (N_b,), as sent."""
+    averaged: Future[list[torch.Tensor]]
+    """The cross-region averages, bucket by bucket (done at once when tau is 0)."""
+    digest: Digest
+
+
 class DiLoCo:
     """The global weights, the outer optimizer and the merge of one rank.
 
     `buckets`: the model's parameters in the buckets the sync sends (fixed for the run);
-    every rank of the world must use the same bucketing."""
+    every rank of the world must use the same bucketing. `stream`: the reducer late merges
+    (tau > 0) exchange on from a background thread (training.streaming.twin)."""
 
     def __init__(
         self,
         buckets: Sequence[Sequence[torch.nn.Parameter]],
         spec: DilocoSpec,
         sync: Reducer,
+        stream: Reducer | None = None,
     ) -> None:
         self.buckets = [list(b) for b in buckets]
         self.params = [p for b in self.buckets for p in b]
         self.spec = spec
         self.sync = sync
+        if spec.tau > 0 and stream is None:
+            raise ValueError("tau > 0 needs a stream reducer on its own process groups")
+        self.stream = stream
+        self.fragments = split_fragments([sum(p.numel() for p in b) for b in self.buckets], spec)
+        starts = [0]
+        for b in self.buckets:
+            starts.append(starts[-1] + len(b))
+        self._first = starts  # bucket b's parameters: self.params[starts[b] : starts[b + 1]]
+        self._flight: list[_InFlight] = []
+        self._background = Background() if spec.tau > 0 else None
         self.global_params = [p.detach().clone() for p in self.params]
         m = spec.outer_momentum
         self.outer = torch.optim.SGD(  # Nesterov needs momentum; 0 is a plain outer SGD step
@@ -66,11 +107,24 @@ class DiLoCo:
         return step < self.spec.warmup_steps
 
     def due(self, step: int, steps: int) -> bool:
-        """Step-based: whether a merge follows step `step` of a run of `steps` steps."""
+        """Step-based: whether a merge (or, streaming, a fragment's send or landing) follows
+        step `step` of a run of `steps` steps."""
         s, w, h = step + 1, self.spec.warmup_steps, self.spec.every_steps
         if s <= w:
             return False
+        if self.spec.streaming:
+            return s == steps or bool(self.sends(step)) or self._lands(step)
         return s == steps or (h is not None and (s - w) % h == 0)
+
+    def sends(self, step: int) -> list[int]:
+        """Streaming: the fragment sent after step `step` (none, or one: offsets differ)."""
+        k, h, f = step + 1 - self.spec.warmup_steps, self.spec.every_steps, len(self.fragments)
+        if k <= 0 or h is None:
+            return []
+        return [i for i in range(f) if k % h == i * h // f]
+
+    def _lands(self, step: int) -> bool:
+        return bool(self._flight) and self._flight[0].lands <= step
 
     def time_due(self, step: int, now: float) -> bool:
         """Time-based: whether this rank's clock says a merge is due after step `step`."""
@@ -91,6 +145,84 @@ class DiLoCo:
         self.last_merge = time.monotonic()
 
     # -- merge ------------------------------------------------------------------------
+    def advance(self, step: int, steps: int, new_digest: Callable[[], Digest]) -> list[Digest]:
+        """After step `step`, when a merge is due (`due`, or the agreed clock): run the
+        merge, or, streaming, send this step's fragment and land those whose tau steps
+        are over. Returns the digests of the merges applied now (one per fragment)."""
+        if not self.spec.streaming:
+            digest = new_digest()
+            self.merge(step, digest)
+            return [digest]
+        if step + 1 == steps:  # the end: everything lands, then one blocking full merge
+            done = self.settle()
+            digest = new_digest()
+            self.merge(step, digest)
+            return [*done, digest]
+        for f in self.sends(step):
+            self._send(f, step, new_digest())
+        done = []
+        while self._lands(step):
+            done.append(self._land(self._flight.pop(0)))
+        return done
+
+    def settle(self) -> list[Digest]:
+        """Land every merge in flight now (before a checkpoint: nothing may be in flight,
+        and the exchange thread must not touch the residuals being saved)."""
+        done = []
+        while self._flight:
+            done.append(self._land(self._flight.pop(0)))
+        return done
+
+    def _send(self, f: int, step: int, digest: Digest) -> None:
+        """Fragment f's pseudo-gradient (global - local, now), exchanged in the background
+        (tau > 0) or at once."""
+        bs = list(self.fragments[f])
+        deltas = [self._delta(b) for b in bs]
+        for d in deltas:
+            digest.update(d)
+        if self._background is None:
+            fut: Future[list[torch.Tensor]] = Future()
+            fut.set_result(_exchange(self.sync, deltas, bs, step))
+        else:
+            assert self.stream is not None  # checked in __init__
+            stream = self.stream
+            fut = self._background.submit(lambda: _exchange(stream, deltas, bs, step))
+        self._flight.append(_InFlight(f, step + self.spec.tau, deltas, fut, digest))
+
+    def _delta(self, b: int) -> torch.Tensor:
+        lo, hi = self._first[b], self._first[b + 1]
+        return torch.cat(
+            [
+                (g - p.detach()).reshape(-1)
+                for g, p in zip(self.global_params[lo:hi], self.params[lo:hi], strict=True)
+            ]
+        )
+
+    def _land(self, m: _InFlight) -> Digest:
+        """The outer step on fragment m's averaged pseudo-gradient; its local values become
+        the new global ones plus `mix` times the local progress since the send."""
+        averaged = m.averaged.result()  # waits only if the exchange outlasted tau steps
+        bs = list(self.fragments[m.fragment])
+        lo, hi = self._first[bs[0]], self._first[bs[-1] + 1]
+        gl, ps = self.global_params[lo:hi], self.params[lo:hi]
+        mix = self.spec.mix
+        kept: list[torch.Tensor] = []
+        if mix > 0 and self.spec.tau > 0:  # local now - local at the send (= global - delta)
+            sent = _split(torch.cat(m.deltas), gl)
+            kept = [p.detach() - (g - d) for p, g, d in zip(ps, gl, sent, strict=True)]
+        for b, avg in zip(bs, averaged, strict=True):
+            _set_grads(avg, self.global_params[self._first[b] : self._first[b + 1]])
+        self.outer.step()  # the other fragments have no gradient: SGD skips them
+        with torch.no_grad():
+            for i, (p, g) in enumerate(zip(ps, gl, strict=True)):
+                g.grad = None
+                p.copy_(g)
+                if kept:
+                    p.add_(kept[i], alpha=mix)
+        self.merges += 1
+        self.last_merge = time.monotonic()
+        return m.digest
+
     def merge(self, step: int, digest: Digest | None = None) -> None:
         """Average (global - local) across regions, one bucket at a time through the sync,
         step the outer optimizer on it, and set every local parameter to the new global."""
@@ -153,6 +285,45 @@ def outer_hint(regions: int, outer_lr: float, outer_momentum: float) -> str | No
         f"{regions} regions; the rule suggests outer_lr {lr:.2f} with Nesterov momentum 0.9 "
         "(docs/architecture.md, DiLoCo outer optimizer)"
     )
+
+
+def split_fragments(sizes: Sequence[int], spec: DilocoSpec) -> list[range]:
+    """Buckets (their sizes, in order) -> `spec.fragments` contiguous ranges of buckets,
+    each ending where the running total first reaches its share of the whole."""
+    f = spec.fragments
+    if f > len(sizes):
+        raise SpecError(
+            f"training.diloco.fragments {f} is more than the model's {len(sizes)} sync "
+            "buckets; lower fragments or training.bucket_mb"
+        )
+    out: list[range] = []
+    total, start, run = sum(sizes), 0, 0
+    for i, n in enumerate(sizes):
+        run += n
+        left = f - len(out) - 1  # fragments still to start after this one
+        if left == 0:
+            break
+        if run * f >= total * (len(out) + 1) or len(sizes) - i - 1 == left:
+            out.append(range(start, i + 1))
+            start = i + 1
+    out.append(range(start, len(sizes)))
+    return out
+
+
+def _exchange(
+    sync: Reducer, deltas: list[torch.Tensor], buckets: list[int], step: int
+) -> list[torch.Tensor]:
+    """Average each bucket's pseudo-gradient across regions (on the loop's or the stream's
+    thread); bucket ids address the payloads, as in the blocking merge."""
+    return [sync.all_reduce(d, step=step, bucket=b) for d, b in zip(deltas, buckets, strict=True)]
+
+
+def _split(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
+    out, i = [], 0
+    for t in like:
+        out.append(flat[i : i + t.numel()].view_as(t))
+        i += t.numel()
+    return out
 
 
 def _set_grads(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:

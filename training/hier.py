@@ -280,6 +280,23 @@ def ddp_comm_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Fu
     return fut
 
 
+def sync_buckets(
+    params: list[torch.nn.Parameter], bucket_mb: float
+) -> list[list[torch.nn.Parameter]]:
+    """Parameters in order, cut into buckets of at most `bucket_mb` MiB of fp32 (a larger
+    parameter alone): the unit one `all_reduce` call sends, its residuals keyed by index."""
+    limit = int(bucket_mb * 2**20 / 4)
+    out: list[list[torch.nn.Parameter]] = [[]]
+    size = 0
+    for p in params:
+        if out[-1] and size + p.numel() > limit:
+            out.append([])
+            size = 0
+        out[-1].append(p)
+        size += p.numel()
+    return out
+
+
 def flat_average(x: torch.Tensor, group: Any = None) -> torch.Tensor:
     """Baseline: one flat all-reduce over every rank (what DDP does by default)."""
     y = x.detach().clone()

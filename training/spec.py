@@ -16,7 +16,14 @@ from dataclasses import asdict, field, fields
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import ConfigDict, Field, TypeAdapter, ValidationError, field_validator
+from pydantic import (
+    ConfigDict,
+    Field,
+    TypeAdapter,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic.dataclasses import dataclass
 from pydantic_core import ErrorDetails
 
@@ -119,6 +126,31 @@ class DilocoSpec:
     """Outer Nesterov momentum."""
     warmup_steps: NonNegative = 0
     """First steps synced every step across regions before DiLoCo starts (training.diloco)."""
+    fragments: Count = 1
+    """Streaming DiLoCo: contiguous groups of sync buckets merged on staggered steps."""
+    tau: NonNegative = 0
+    """Streaming DiLoCo: inner steps a fragment's merge lands late (its exchange overlaps them)."""
+    mix: Annotated[float, Field(ge=0, le=1)] = 0.0
+    """Share of the local progress made during those tau steps kept on the merged fragment."""
+
+    @model_validator(mode="after")
+    def _streaming_bounds(self) -> DilocoSpec:
+        """The streaming settings' bounds (infra.model.checks says the same for the stack)."""
+        if not self.streaming:
+            return self
+        h = self.every_steps
+        if h is None:
+            raise ValueError("fragments/tau need step-based merges (every_steps), not minutes")
+        if self.fragments > h:
+            raise ValueError(f"fragments {self.fragments} must be in 1..every_steps ({h})")
+        if self.tau >= h:
+            raise ValueError(f"tau {self.tau} must be in 0..every_steps - 1 ({h - 1})")
+        return self
+
+    @property
+    def streaming(self) -> bool:
+        """Fragments or late merges: training.diloco's streaming schedule."""
+        return self.fragments > 1 or self.tau > 0
 
 
 @dataclass(frozen=True, config=_STRICT)

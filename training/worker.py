@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -22,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from training import balance, gloo, ledger_hooks
+from training import balance, gloo, ledger_hooks, streaming
 from training.balance import Balancer
 from training.checkpoint import (
     ALLOW_ROLLBACK_ENV,
@@ -41,7 +42,7 @@ from training.errors import (
     PayloadRejected,
     SpecError,
 )
-from training.hier import HierarchicalAllReduce
+from training.hier import HierarchicalAllReduce, sync_buckets
 from training.keys import load_key
 from training.ledger import Ledger
 from training.metrics import RuntimeMetrics
@@ -249,7 +250,8 @@ def setup(
     ckpt.on_commit = on_commit
     if spec.sync == "diloco":
         buckets = _buckets(list(model.parameters()), spec.bucket_mb)
-        job.diloco = DiLoCo(buckets, spec.diloco, sync)
+        stream = streaming.twin(sync) if spec.diloco.tau > 0 else None  # its own groups
+        job.diloco = DiLoCo(buckets, spec.diloco, sync, stream)
     prime(job)
     job.metrics.serve(*metrics_endpoint(spec, node, local_rank))
     return job
@@ -400,16 +402,7 @@ def _grads(params: list[Any]) -> list[torch.Tensor]:
 
 
 def _buckets(params: list[torch.nn.Parameter], bucket_mb: float) -> list[list[torch.nn.Parameter]]:
-    limit = int(bucket_mb * 2**20 / 4)
-    out: list[list[torch.nn.Parameter]] = [[]]
-    size = 0
-    for p in params:
-        if out[-1] and size + p.numel() > limit:
-            out.append([])
-            size = 0
-        out[-1].append(p)
-        size += p.numel()
-    return out
+    return sync_buckets(params, bucket_mb)
 
 
 def sync_grads(job: Job) -> None:
@@ -435,14 +428,24 @@ def region_average_grads(job: Job) -> None:
     _scatter(flat, _grads(params))
 
 
-def merge(job: Job) -> None:
-    """The periodic global merge (training.diloco), signed into the ledger."""
-    assert job.diloco is not None  # only called in diloco mode
-    pg = ledger_hooks.hasher(job)  # the region's pseudo-gradient, for the ledger
+def merge(job: Job, due: bool, settle: bool) -> bool:
+    """The periodic global merge (training.diloco) when `due`, each merge applied signed
+    into the ledger; `settle`: a checkpoint follows, so merges in flight land now.
+    Returns whether a merge was applied. A throughput balance weights the merge by its
+    interval's samples (it is refused with streaming, whose fragments land late)."""
+    d = job.diloco
+    if d is None:
+        return False
     with balance.merging(job.balance, job.sync, job.step, job.spec.diloco.warmup_steps):
-        job.diloco.merge(job.step, pg)
-    ledger_hooks.merged(job, pg)
-    job.metrics.merges.inc()
+        # the region's pseudo-gradient, for the ledger
+        hasher = functools.partial(ledger_hooks.hasher, job)
+        done = d.advance(job.step, job.spec.steps, hasher) if due else []
+        if settle:
+            done += d.settle()
+    for pg in done:
+        ledger_hooks.merged(job, pg)  # type: ignore[arg-type]  # the hashers made above
+        job.metrics.merges.inc()
+    return bool(done)
 
 
 def params_digest(model: torch.nn.Module) -> str:
@@ -510,15 +513,14 @@ def train_step(job: Job) -> None:
     if job.diloco is not None:
         job.diloco.step_done(job.step)  # the end of the warm-up takes the global copy
     merge_due, ckpt_due = _due(job)
-    if merge_due:
-        merge(job)
+    merged = merge(job, merge_due, ckpt_due)
     job.step += 1
     job.tokens += tokens.numel() - tokens.shape[0]
     if ckpt_due:
         job.ckpt.save(job.step, state_dict(job))
         job.last_save = time.monotonic()
     step_s, sync_s = time.perf_counter() - t0, job.sync.stats.sync_seconds - sync_before
-    report(job, loss, step_s, sync_s, merge_due, compute)
+    report(job, loss, step_s, sync_s, merged, compute)
     balance.stepped(job, step_s - sync_s)  # throughput balance: measure, then assign
 
 
@@ -619,6 +621,7 @@ def run(
         stop = last_step(job)
         while job.step < stop.step:
             train_step(job)
+        merge(job, False, True)  # a run stopped early: no exchange left in flight
     except PayloadRejected as e:
         rejected(job, e)
         raise

@@ -404,7 +404,42 @@ def _training(m: StackModel, source: str) -> None:
             f"{d.warmup_steps} must be < training.steps ({m.training.steps}): DiLoCo would "
             "never start; lower it or use sync: allreduce",
         )
+    _streaming(m, source)
     _secure_aggregation(m, source)
+
+
+def _streaming(m: StackModel, source: str) -> None:
+    """Streaming DiLoCo needs step-based merges, a step per fragment, and tau < H."""
+    d = m.training.diloco
+    if d.fragments == 1 and d.tau == 0:
+        return
+    h = d.every_steps
+    if h is None:
+        raise _err(
+            source,
+            "training.diloco",
+            "fragments/tau need step-based merges; set inner_steps instead of interval_minutes",
+        )
+    if d.fragments > h:
+        raise _err(
+            source,
+            "training.diloco.fragments",
+            f"{d.fragments} must be <= inner_steps ({h}): each fragment merges on its own step",
+        )
+    if d.tau >= h:
+        raise _err(
+            source,
+            "training.diloco.tau",
+            f"{d.tau} must be < inner_steps ({h}): a fragment's merge must land before its next",
+        )
+    if m.training.sync == "diloco" and m.training.balance == "throughput":
+        raise _err(
+            source,
+            "training.balance",
+            "throughput weights each merge by the samples of its interval, which streaming "
+            "fragments (fragments/tau) do not share; set training.balance: off, or "
+            "fragments: 1 and tau: 0",
+        )
 
 
 def _secure_aggregation(m: StackModel, source: str) -> None:

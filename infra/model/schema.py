@@ -273,6 +273,15 @@ class Diloco(Strict):
     """Outer momentum, Nesterov when > 0; 0 makes the outer step plain SGD."""
     warmup_steps: int = Field(default=0, ge=0)
     """First steps synced every step (as sync: allreduce) before DiLoCo starts; < steps."""
+    fragments: int = Field(default=1, ge=1)
+    """Streaming DiLoCo: the sync buckets in this many contiguous groups, merged on
+    staggered steps (fragment f at f * H / fragments into each period); <= inner_steps."""
+    tau: int = Field(default=0, ge=0)
+    """Streaming DiLoCo: a fragment's merge lands this many inner steps late, its exchange
+    running while they compute; < inner_steps."""
+    mix: float = Field(default=0.0, ge=0, le=1)
+    """Share of the local progress of those tau steps kept on top of the merged fragment
+    (0: the merged values replace it, so every region holds the same fragment)."""
 
     @property
     def every_steps(self) -> int | None:

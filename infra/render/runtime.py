@@ -84,6 +84,9 @@ def render_launch_spec(plan: Plan) -> LaunchSpec:
             outer_lr=t.diloco.outer_lr,
             outer_momentum=t.diloco.outer_momentum,
             warmup_steps=t.diloco.warmup_steps,
+            fragments=t.diloco.fragments,
+            tau=t.diloco.tau,
+            mix=t.diloco.mix,
         ),
         checkpoint=CheckpointSpec(
             dir=plan.path(t.checkpoint.dir),
