@@ -221,6 +221,17 @@ def test_streaming_settings_out_of_bounds_are_one_line_errors(
     )
 
 
+def test_streaming_with_a_throughput_balance_is_a_one_line_error(write_stack: Any) -> None:
+    def mutate(c: dict[str, Any]) -> None:
+        t = c["geotrain:training"]
+        t["sync"], t["balance"] = "diloco", "throughput"
+        t["diloco"] = {"inner_steps": 10, "fragments": 2, "tau": 1}
+
+    r = CliRunner().invoke(cli, ["validate", "--stack", str(write_stack("local", mutate))])
+    assert r.exit_code == 2 and "training.balance" in r.output, r.output
+    assert "fragments: 1 and tau: 0" in r.output and len(r.output.strip().splitlines()) == 1
+
+
 def test_streaming_with_time_based_merges_is_a_one_line_error(write_stack: Any) -> None:
     def mutate(c: dict[str, Any]) -> None:
         t = c["geotrain:training"]
@@ -242,5 +253,7 @@ def test_render_carries_the_streaming_settings_and_the_launch_spec_checks_them(
     assert (spec.diloco.fragments, spec.diloco.tau, spec.diloco.mix) == (2, 3, 0.5)
     assert LaunchSpec.from_json(spec.to_json()).diloco == spec.diloco
     bad = spec.to_json().replace('"tau": 3', '"tau": 10')
-    with pytest.raises(SpecError, match=r"diloco.tau 10 must be in 0..every_steps - 1 \(9\)"):
+    with pytest.raises(
+        SpecError, match=r"spec.json: diloco: tau 10 must be in 0..every_steps - 1 \(9\)"
+    ):
         LaunchSpec.from_json(bad, "spec.json")
