@@ -152,7 +152,24 @@ def summarize(log: EventLog, spec_steps: int) -> dict[str, Any]:
         "sync": start[0].get("sync"),
         "warmup": start[0].get("warmup", 0),
         "privacy": privacy_summary(log),
+        "links": links_summary(log),
     }
+
+
+def links_summary(log: EventLog) -> dict[str, Any]:
+    """The region leaders' last word on each link (training.linkprobe) and, with the
+    adaptive codec, what each region sent over it: from `done`, else the start probe."""
+    latest: dict[str, dict[str, Any]] = {}
+    for e in [*log.of("links"), *log.of("done")]:
+        if "links" in e:
+            latest[e["region"]] = e
+    links = [link for e in latest.values() for link in e["links"]]
+    codecs = {
+        f"{region} -> {peer}": c
+        for region, e in sorted(latest.items())
+        for peer, c in e.get("codecs", {}).items()
+    }
+    return {"links": sorted(links, key=lambda k: (k["src"], k["dst"])), "codecs": codecs}
 
 
 def privacy_summary(log: EventLog) -> dict[str, Any]:
@@ -210,6 +227,7 @@ def format_report(r: dict[str, Any]) -> str:
     if r["merges"]:
         lines.append(f"global merges           {r['merges']}")
     lines += _privacy_lines(r.get("privacy") or {})
+    lines += _link_lines(r.get("links") or {})
     for i, f in enumerate(r.get("checkpoint_fallbacks", [])):
         lines.append(f"{'checkpoint fallbacks' if i == 0 else '':24}{_fallback(f)}")
     return "\n".join(lines)
@@ -230,6 +248,23 @@ def _privacy_lines(p: dict[str, Any]) -> list[str]:
         lines.append(
             f"privacy budget          {p['stopped_by']} spent its budget: stopped at step "
             f"{p['stopped_at']}"
+        )
+    return lines
+
+
+def _link_lines(r: dict[str, Any]) -> list[str]:
+    """One line per measured link, then one per adaptive codec choice."""
+    lines = []
+    for i, k in enumerate(r.get("links", [])):
+        lines.append(
+            f"{'links (per rank)' if i == 0 else '':24}{k['src']} -> {k['dst']} "
+            f"{k['bandwidth'] / 1e6:.1f} MB/s  rtt {1e3 * k['rtt']:.2f} ms"
+        )
+    for i, (link, c) in enumerate(r.get("codecs", {}).items()):
+        uses = ", ".join(f"{k} x{n}" for k, n in c["uses"].items())
+        lines.append(
+            f"{'adaptive codec' if i == 0 else '':24}{link}: {c['codec']} "
+            f"({c['switches']} switches; {uses})"
         )
     return lines
 

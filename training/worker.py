@@ -217,6 +217,7 @@ def setup(
     sync = HierarchicalAllReduce(
         topo, groups, codec, spec.run_id, error_feedback=spec.codec.error_feedback
     )
+    sync.probe()  # every cross-region link's bandwidth and RTT (training.linkprobe)
     privacy = RegionPrivacy.for_rank(spec, topo, text, device)
     job = Job(
         spec=spec,
@@ -539,6 +540,7 @@ def report(job: Job, loss: float, step_s: float, sync_s: float, merged: bool) ->
         m.link_bytes(job.topo.region_names[peer], n - job.reported.get(key, 0))
         now[key] = n
     job.reported = now
+    m.links(link_report(job))
     if job.diloco is None or merged or job.diloco.warming(job.step - 1):
         m.syncs.inc()
     if st.cross_wire_bytes:
@@ -562,6 +564,15 @@ def report(job: Job, loss: float, step_s: float, sync_s: float, merged: bool) ->
             saving=job.ckpt.saving(),
             **extra,
         )
+
+
+def link_report(job: Job) -> dict[str, Any]:
+    """Every link's estimate (training.linkprobe) and, with codec.adaptive, its codec."""
+    s = job.sync
+    return {
+        "links": s.links.report() if s.links else [],
+        "codecs": s.adaptive.report() if s.adaptive else {},
+    }
 
 
 def privacy_spent(job: Job) -> dict[str, float]:
@@ -603,6 +614,8 @@ def run(
         epoch=session.epoch,
         session=session.id.hex()[:16],
     )
+    if job.leader:
+        job.emit("links", **link_report(job))
     try:
         resumed = resume(job)
         if resumed is not None:
@@ -625,6 +638,7 @@ def run(
             digest=params_digest(job.model),
             encode_s=job.sync.codec.stats.encode_seconds,
             decode_s=job.sync.codec.stats.decode_seconds,
+            **link_report(job),
         )
     dist.barrier()
     dist.destroy_process_group()
