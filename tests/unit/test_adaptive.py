@@ -9,9 +9,12 @@ from typing import Any
 import pytest
 import torch
 
+from infra.model import load_stack
+from infra.plan import build_plan
+from infra.render.runtime import render_launch_spec
 from training.adaptive import Choice, CostModel, Speed, Switch, pick
 from training.codec import Address, Codec
-from training.errors import HostileReject, SpecError
+from training.errors import ConfigError, HostileReject, SpecError
 from training.hier import HierarchicalAllReduce
 from training.linkprobe import MIN_SAMPLE_BYTES, Link, pairings
 from training.session import Session
@@ -151,6 +154,53 @@ def test_adaptive_settings_survive_the_launch_spec_json() -> None:
     bad = spec.to_json().replace('"patience": 3', '"patience": 0')
     with pytest.raises(SpecError, match=r"codec\.adaptive\.patience: 0 must be at least 1"):
         LaunchSpec.from_json(bad)
+
+
+# -- the stack setting ------------------------------------------------------------------
+def _compression(**c: Any) -> Any:
+    def mutate(cfg: dict[str, Any]) -> None:
+        cfg["geotrain:training"]["compression"].update(c)
+
+    return mutate
+
+
+@pytest.mark.parametrize(
+    ("compression", "path", "words"),
+    [
+        ({"adaptive": {"quantize": ["int8", "int8"]}}, "adaptive.quantize", "distinct"),
+        ({"adaptive": {"zstd_levels": [1, 40]}}, "adaptive.zstd_levels", "-7 to 22"),
+        (
+            {"adaptive": {"budget_seconds": 1, "budget_fraction": 0.5}},
+            "adaptive.budget_seconds",
+            "not both",
+        ),
+        (
+            {"adaptive": {"quantize": ["int4"]}, "quantize": "int8"},
+            "quantize",
+            "must be one of adaptive.quantize",
+        ),
+        (
+            {"adaptive": {}, "secure_aggregation": True},
+            "adaptive",
+            "cannot be combined with secure_aggregation",
+        ),
+    ],
+)
+def test_stack_refuses_adaptive_settings_it_cannot_honour(
+    write_stack: Any, compression: dict[str, Any], path: str, words: str
+) -> None:
+    with pytest.raises(ConfigError) as e:
+        load_stack(str(write_stack("local", _compression(**compression))))
+    assert e.value.path == f"geotrain:training.compression.{path}"
+    assert words in str(e.value) and "\n" not in str(e.value)
+
+
+def test_stack_adaptive_setting_reaches_the_launch_spec(write_stack: Any) -> None:
+    a = {"quantize": ["fp16", "int8"], "zstd_levels": [3], "budget_fraction": 0.5}
+    stack = write_stack("local", _compression(adaptive=a))
+    spec = render_launch_spec(build_plan(load_stack(str(stack))))
+    assert spec.codec.adaptive == AdaptiveSpec(("fp16", "int8"), (3,), budget_fraction=0.5)
+    assert render_launch_spec(build_plan(load_stack("local"))).codec.adaptive is None
 
 
 # -- a real world ---------------------------------------------------------------------
