@@ -48,11 +48,16 @@ from training.topology import Topology, make_groups
 from training.worker import hierarchical_step
 
 REGIONS = 3
+ROUNDS = 2
+"""Rounds over every codec, the second in reverse order; the faster round is kept."""
 CODECS = ["none", "fp16", "int8", "int4", "adaptive"]
 RESULTS = Path(__file__).parent / "results"
 ROOT = Path(__file__).resolve().parents[1]
 LAB_MBIT = {("beijing", "frankfurt"): 20, ("frankfurt", "silicon-valley"): 50}
 """Shaped links of the lab run; beijing - silicon-valley is 200 Mbit/s."""
+LAB_ATTEMPTS = 3
+"""Tries per codec: on this loaded machine a rank sometimes never reaches the store
+through wireguard-go (a 120 s connect timeout, before any sync)."""
 LAB_LATENCY_MS = 5
 """Each link's latency_ms in the lab run (the relay delays each way)."""
 
@@ -175,7 +180,7 @@ def lab_stack(tmp: Path) -> Path:
     return path
 
 
-def lab_run(plan: Any, codec: str, steps: int, tmp: Path) -> list[dict[str, Any]]:
+def lab_run(plan: Any, codec: str, steps: int, tmp: Path, attempt: int = 1) -> list[dict[str, Any]]:
     from infra.render import render_launch_spec
 
     spec = render_launch_spec(plan)
@@ -200,9 +205,12 @@ def lab_run(plan: Any, codec: str, steps: int, tmp: Path) -> list[dict[str, Any]
         for n in r.nodes
         for i in range(n.nprocs)
     ]
-    for p in procs:
-        if p.wait(timeout=900) != 0:
-            raise SystemExit(f"a lab worker ({codec}) failed with {p.returncode}")
+    failed = [p.returncode for p in procs if p.wait(timeout=900) != 0]
+    if failed and attempt < LAB_ATTEMPTS:  # a rank that never reached the store: again
+        print(f"lab run {codec} failed ({failed}); again", file=sys.stderr)
+        return lab_run(plan, codec, steps, tmp, attempt + 1)
+    if failed:
+        raise SystemExit(f"lab workers ({codec}) failed with {failed}")
     return [json.loads(Path(f"{out}.{r}").read_text()) for r in range(spec.world_size)]
 
 
@@ -221,7 +229,9 @@ def lab_main(steps: int) -> None:
     state = ROOT / ".geotrain" / "adlab" / "lab"
     lab.lab_up(plan, state)
     try:
+        lab.wait_for_bgp(plan, 120)
         rtts = round_trips(plan)
+        print(f"round trips over the overlay: {rtts}", file=sys.stderr)
         results = {c: lab_run(plan, c, steps, tmp) for c in CODECS}
     finally:
         lab.lab_down(plan, state)
@@ -288,23 +298,28 @@ def main() -> None:
     if a.lab:
         lab_main(a.steps)
         return
-    rows = {}
-    for c in CODECS:
-        res = run_world(train, REGIONS, c, a.steps, a.batch, a.seq, timeout=1800)
-        per_step = [max(r["step_s"][s] for r in res) for s in range(1, a.steps)]
-        sync = [statistics.mean(r["sync_s"][s] for r in res) for s in range(1, a.steps)]
-        losses = torch.tensor([r["losses"] for r in res]).mean(0)
-        rows[c] = {
-            "step": statistics.median(per_step),
-            "sync": statistics.median(sync),
-            "loss": losses[-5:].mean().item(),
-            "uses": _uses(res) if c == "adaptive" else "",
-        }
-        print(f"{c}: step {rows[c]['step']:.3f} s, loss {rows[c]['loss']:.4f}", file=sys.stderr)
+    rows: dict[str, dict[str, Any]] = {}
+    for rnd in range(ROUNDS):  # the machine is shared: each codec's better round counts
+        for c in CODECS if rnd % 2 == 0 else CODECS[::-1]:
+            res = run_world(train, REGIONS, c, a.steps, a.batch, a.seq, timeout=1800)
+            per_step = [max(r["step_s"][s] for r in res) for s in range(1, a.steps)]
+            sync = [statistics.mean(r["sync_s"][s] for r in res) for s in range(1, a.steps)]
+            losses = torch.tensor([r["losses"] for r in res]).mean(0)
+            row = {
+                "step": statistics.median(per_step),
+                "sync": statistics.median(sync),
+                "loss": losses[-5:].mean().item(),
+                "uses": _uses(res) if c == "adaptive" else "",
+            }
+            if c not in rows or row["step"] < rows[c]["step"]:
+                rows[c] = row
+            print(f"{c}: step {row['step']:.3f} s, loss {row['loss']:.4f}", file=sys.stderr)
+    rows = {c: rows[c] for c in CODECS}
     best = min((r["step"], c) for c, r in rows.items() if c != "adaptive")
     lines = [
         f"# Adaptive codec vs fixed codecs, loopback (unshaped), {REGIONS} regions x 1 rank, "
-        f"demo model, {a.steps} steps, batch {a.batch}x{a.seq}, SM4-GCM",
+        f"demo model, {a.steps} steps, batch {a.batch}x{a.seq}, SM4-GCM, the faster of "
+        f"{ROUNDS} rounds (second in reverse order)",
         "",
         "| codec | step s (median) | vs best fixed | sync s (median) | final loss (last 5) |",
         "|---|---|---|---|---|",

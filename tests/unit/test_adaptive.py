@@ -12,7 +12,7 @@ import torch
 from infra.model import load_stack
 from infra.plan import build_plan
 from infra.render.runtime import render_launch_spec
-from training.adaptive import Choice, CostModel, Speed, Switch, pick
+from training.adaptive import TIE, Choice, CostModel, Speed, Switch, pick
 from training.codec import Address, Codec
 from training.errors import ConfigError, HostileReject, SpecError
 from training.hier import HierarchicalAllReduce
@@ -49,10 +49,16 @@ def test_a_slow_link_gets_the_fewest_wire_bytes() -> None:
     assert pick(_times(bandwidth=2.5e6), None) == INT4  # 20 Mbit/s
 
 
-def test_the_pick_is_never_predicted_slower_than_any_fixed_choice() -> None:
+def test_the_pick_is_never_predicted_slower_than_any_fixed_choice_beyond_a_tie() -> None:
     for bw in (1e6, 6e6, 25e6, 125e6, 1e9, 1e10):
         times = _times(bw, rtt=0.05)
-        assert times[pick(times, None)] == min(times.values())
+        assert times[pick(times, None)] <= min(times.values()) * (1 + TIE)
+
+
+def test_a_near_tie_goes_to_the_more_precise_then_the_cheaper_level() -> None:
+    assert pick({INT4: 1.0, INT8: 1.04}, None) == INT8
+    assert pick({INT4: 1.0, INT8: 1.2}, None) == INT4
+    assert pick({Choice("int4", 3): 1.0, INT4: 1.03}, None) == INT4
 
 
 def test_a_budget_buys_the_most_precise_codec_that_fits_it() -> None:
