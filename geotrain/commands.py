@@ -102,7 +102,8 @@ def _train(stack: str, spec: LaunchSpec, spec_path: Path, run_dir: Path) -> None
     click.echo(
         f"run {spec.run_id}: {spec.world_size} workers in {len(spec.regions)} regions "
         f"({', '.join(r.name for r in spec.regions)}), {spec.sync}, codec "
-        f"{spec.codec.quantize}+zstd+{spec.codec.cipher}; logs in {run_dir}/logs"
+        f"{'adaptive' if spec.codec.adaptive else spec.codec.quantize}+zstd+{spec.codec.cipher}; "
+        f"logs in {run_dir}/logs"
     )
     log = EventLog(run_dir / "events.jsonl")
     progress = Progress(log, spec.steps)

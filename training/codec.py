@@ -170,16 +170,22 @@ class Codec:
         self._links.clear()
 
     # -- public -----------------------------------------------------------------------
-    def encode(self, x: torch.Tensor, addr: Address) -> tuple[bytes, torch.Tensor]:
-        """Encode flat fp32 `x`; returns (payload, what the receiver will decode)."""
+    def encode(
+        self, x: torch.Tensor, addr: Address, quantize: str | None = None, level: int | None = None
+    ) -> tuple[bytes, torch.Tensor]:
+        """Encode flat fp32 `x`; returns (payload, what the receiver will decode).
+        `quantize` and `level` override the spec's (the adaptive codec, training.adaptive):
+        the quantizer travels in the authenticated header, the level is zstd's own."""
         t0 = time.perf_counter()
         s = self._session()
+        quant = quantize or self.spec.quantize
         x = x.detach().float().contiguous()
-        body, decoded = _quantize(x, self.spec.quantize, self.spec.block_size)
-        body = self._zc().compress(_shuffle(body, _itemsize(self.spec.quantize)))
+        body, decoded = _quantize(x, quant, self.spec.block_size)
+        zc = self._zc(self.spec.zstd_level if level is None else level)
+        body = zc.compress(_shuffle(body, _itemsize(quant)))
         nonce = self._next_nonce(addr, len(body))
         h = _Header(
-            QUANT[self.spec.quantize],
+            QUANT[quant],
             CIPHERS[self.spec.cipher],
             addr.stage,
             s.tag,
@@ -201,17 +207,21 @@ class Codec:
         self.stats.encode_seconds += time.perf_counter() - t0
         return payload, decoded
 
-    def quantized(self, x: torch.Tensor) -> torch.Tensor:
+    def quantized(self, x: torch.Tensor, quantize: str | None = None) -> torch.Tensor:
         """The values a receiver would decode from `encode(x, ...)`, without a payload."""
         x = x.detach().float().contiguous()
-        return _quantize(x, self.spec.quantize, self.spec.block_size)[1]
+        return _quantize(x, quantize or self.spec.quantize, self.spec.block_size)[1]
 
-    def decode(self, payload: bytes, expect: Address, numel: int) -> torch.Tensor:
+    def decode(
+        self, payload: bytes, expect: Address, numel: int, accept: tuple[str, ...] = ()
+    ) -> torch.Tensor:
         """Verify then decode `numel` values sent to `expect`; raises PayloadRejected
-        (TransientReject or HostileReject) and never returns unverified data."""
+        (TransientReject or HostileReject) and never returns unverified data. `accept`:
+        quantizers the receiver also takes (the adaptive codec's set), named by the
+        header, which the tag authenticates; by default only the spec's."""
         t0 = time.perf_counter()
         try:
-            out = self._decode(payload, expect, numel)
+            out = self._decode(payload, expect, numel, accept)
         except PayloadRejected:
             self.stats.rejected += 1
             raise
@@ -247,7 +257,9 @@ class Codec:
                 self._keys.popitem(last=False)
         return key
 
-    def _decode(self, payload: bytes, expect: Address, numel: int) -> torch.Tensor:
+    def _decode(
+        self, payload: bytes, expect: Address, numel: int, accept: tuple[str, ...]
+    ) -> torch.Tensor:
         s = self._session()
         if len(payload) < HEADER.size + TAG_BYTES:
             raise TransientReject(
@@ -258,8 +270,9 @@ class Codec:
             raise TransientReject(
                 f"{_where(expect)} is not a geotrain v{VERSION} payload; not applied"
             )
+        quant = _expected_quant(h.quant, self.spec.quantize, accept)
         want = _Header(
-            QUANT[self.spec.quantize],
+            QUANT[quant],
             CIPHERS[self.spec.cipher],
             expect.stage,
             s.tag,
@@ -283,17 +296,12 @@ class Codec:
                 f"{_where(expect)} failed {self.spec.cipher} authentication (corrupted in "
                 "transit, or forged without this run's key); not applied"
             )
-        raw = self._decompress(body, numel, expect)
-        return _dequantize(
-            _unshuffle(raw, _itemsize(self.spec.quantize)),
-            self.spec.quantize,
-            numel,
-            self.spec.block_size,
-        )
+        raw = self._decompress(body, numel, expect, quant)
+        return _dequantize(_unshuffle(raw, _itemsize(quant)), quant, numel, self.spec.block_size)
 
-    def _decompress(self, body: bytes, numel: int, expect: Address) -> bytes:
+    def _decompress(self, body: bytes, numel: int, expect: Address, quant: str) -> bytes:
         """The authentic `body`, decompressed to exactly the bytes of `numel` values."""
-        size = _raw_size(self.spec.quantize, numel, self.spec.block_size)
+        size = _raw_size(quant, numel, self.spec.block_size)
         try:
             # zstd allocates a frame's declared content size, whatever max_output_size says
             if zstandard.frame_content_size(body) not in (size, -1):
@@ -308,7 +316,7 @@ class Codec:
         if len(raw) != size:
             raise HostileReject(
                 f"{_where(expect)}: authentic body holds {len(raw)} bytes, {numel} "
-                f"{self.spec.quantize} values take {size}; not applied"
+                f"{quant} values take {size}; not applied"
             )
         return raw
 
@@ -385,15 +393,35 @@ class Codec:
         except InvalidTag:
             return None
 
-    def _zc(self) -> zstandard.ZstdCompressor:
+    def _zc(self, level: int) -> zstandard.ZstdCompressor:
         if not hasattr(self._local, "c"):
-            self._local.c = zstandard.ZstdCompressor(level=self.spec.zstd_level)
-        return self._local.c
+            self._local.c = {}
+        c: zstandard.ZstdCompressor | None = self._local.c.get(level)
+        if c is None:
+            c = self._local.c[level] = zstandard.ZstdCompressor(level=level)
+        return c
 
     def _zd(self) -> zstandard.ZstdDecompressor:
         if not hasattr(self._local, "d"):
             self._local.d = zstandard.ZstdDecompressor()
         return self._local.d
+
+
+def _expected_quant(got: int, own: str, accept: tuple[str, ...]) -> str:
+    """The quantizer the receiver expects: the header's when it is one the receiver
+    accepts (its authenticity is checked next, under the key), else its own spec's."""
+    for q in accept:
+        if QUANT[q] == got:
+            return q
+    return own
+
+
+def quant_of(payload: bytes) -> str | None:
+    """The quantizer a payload's header names (unauthenticated: for statistics only)."""
+    if len(payload) < HEADER.size:
+        return None
+    got = payload[3]  # after magic (2 bytes) and version (1): the quantizer byte
+    return next((q for q, i in QUANT.items() if i == got), None)
 
 
 def _where(expect: Address) -> str:

@@ -22,6 +22,10 @@ destination `BROADCAST`), the piece, and the number of values the receiver expec
 With `codec.secure_aggregation` the scatter stage is `training.secagg.SecureSum`: pieces
 quantized with a scale every region agreed on and masked pairwise, so region j learns only
 the sum of piece j; the gather stage is unchanged.
+
+Payloads cross through `training.linkprobe.LinkMonitor.exchange`, which times each one into
+its link's bandwidth estimate. With `codec.adaptive` the codec of each payload is chosen
+per link from those estimates and the codec's measured speeds (training.adaptive).
 """
 
 from __future__ import annotations
@@ -33,7 +37,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from training.adaptive import AdaptiveCodec, Choice
 from training.codec import Address, Codec
+from training.linkprobe import LinkMonitor
 from training.secagg import SecureSum, all_to_all_bytes
 from training.session import Session
 from training.topology import Groups, Topology
@@ -77,13 +83,26 @@ class HierarchicalAllReduce:
     scale: float = 1.0
     """This rank's samples / the mean samples per rank (training.balance): contributions
     are weighted by it, so the result is the average over every sample of the world."""
+    links: LinkMonitor | None = None
+    """This rank's estimates of its region's links (None: one region)."""
+    adaptive: AdaptiveCodec | None = None
+    """The per-link codec choice; set from codec.adaptive (training.adaptive)."""
 
     def __post_init__(self) -> None:
         if self.codec.session is None:
             self.codec.bind(Session.unagreed(self.run_id))
+        if self.topo.regions > 1:  # every rank: the start probe is a collective over intra
+            self.links = LinkMonitor(self.topo, self.groups.cross)
         secure = self.codec.spec.secure_aggregation and self.topo.in_cross
         if secure and self.topo.regions > 1:
             self.secure = SecureSum(self.topo, self.groups.cross, self.codec, self.error_feedback)
+        if self.codec.spec.adaptive is not None and self.links is not None and self.topo.in_cross:
+            self.adaptive = AdaptiveCodec.of(self.codec, self.links)
+
+    def probe(self) -> None:
+        """Measure every cross-region link (a collective: every rank, once, at start)."""
+        if self.links is not None:
+            self.links.probe(self.groups.intra, self.groups.device)
 
     @property
     def epoch(self) -> int:
@@ -95,6 +114,8 @@ class HierarchicalAllReduce:
         t0 = time.perf_counter()
         topo, g = self.topo, self.groups
         n = x.numel()
+        if self.adaptive is not None:
+            self.adaptive.window.begin(step, n)
         L, C = topo.local_size, topo.cross_size
         flat = x.detach().float().reshape(-1)
         if self.scale != 1.0:
@@ -112,6 +133,8 @@ class HierarchicalAllReduce:
         self.stats.intra_bytes += 4 * S * (L - 1)
         self.stats.sync_seconds += time.perf_counter() - t0
         self.stats.syncs += 1
+        if self.adaptive is not None:
+            self.adaptive.window.end()
         return full[:n].view_as(x).to(x.device)
 
     def _intra_reduce_scatter(self, x: torch.Tensor) -> torch.Tensor:
@@ -179,12 +202,12 @@ class HierarchicalAllReduce:
             piece, sent = self._scatter_sum(pieces, res, step, bucket)
         # stage 2: the sum of piece me, one payload for every region of the group
         out_to = Address(self.epoch, step, topo.rank, BROADCAST, bucket, part=me, stage=GATHER)
-        payload, mine = self._encode(piece, res, R, out_to)
+        payload, mine = self._encode(piece, res, R, out_to, self._choose("all", P))
         blobs = self._all_to_all_bytes([b"" if i == me else payload for i in range(R)])
         out = [
             mine
             if i == me
-            else self.codec.decode(
+            else self._decode(
                 blobs[i],
                 Address(self.epoch, step, peers[i], BROADCAST, bucket, part=i, stage=GATHER),
                 P,
@@ -211,7 +234,8 @@ class HierarchicalAllReduce:
         own = torch.empty(0)
         for j in range(R):
             to = Address(self.epoch, step, topo.rank, peers[j], bucket, part=j, stage=SCATTER)
-            payload, dec = self._encode(pieces[j], res, j, to, send=j != me)
+            choice = self._choose(topo.region_names[j], P, j) if j != me else None
+            payload, dec = self._encode(pieces[j], res, j, to, choice, send=j != me)
             sent.append(payload)
             if j == me:
                 own = dec
@@ -222,7 +246,7 @@ class HierarchicalAllReduce:
                 piece += own
                 continue
             frm = Address(self.epoch, step, peers[i], topo.rank, bucket, part=me, stage=SCATTER)
-            piece += self.codec.decode(got[i], frm, P)  # (P,): decode checks the size
+            piece += self._decode(got[i], frm, P)  # (P,): decode checks the size
         return piece, [len(p) for p in sent]
 
     def clear_residuals(self) -> None:
@@ -243,21 +267,40 @@ class HierarchicalAllReduce:
         res: torch.Tensor,
         row: int,
         addr: Address,
+        choice: Choice | None = None,
         send: bool = True,
     ) -> tuple[bytes, torch.Tensor]:
         """(payload to `addr`, the values its receivers decode); with send=False only the
-        values. `row`: the residual row (the piece j < R sent, or R for the gather)."""
+        values. `row`: the residual row (the piece j < R sent, or R for the gather).
+        `choice`: the adaptive codec's (None: the spec's)."""
         if self.error_feedback:
             x = x + res[row]
-        if send:
+        if send and self.adaptive is not None and choice is not None:
+            payload, decoded = self.adaptive.encode(x, addr, choice)
+        elif send:
             payload, decoded = self.codec.encode(x, addr)
-        else:
-            payload, decoded = b"", self.codec.quantized(x)
+        else:  # a piece never sent: exact under the adaptive codec
+            payload, decoded = b"", self.codec.quantized(x, "none" if self.adaptive else None)
         if self.error_feedback:
             res[row] = x - decoded
         return payload, decoded
 
+    def _choose(self, key: str, n: int, peer: int | None = None) -> Choice | None:
+        """The adaptive codec's choice for n values to region `peer` (None: every peer)."""
+        if self.adaptive is None:
+            return None
+        me = self.topo.region_index
+        peers = [peer] if peer is not None else [j for j in range(self.topo.regions) if j != me]
+        return self.adaptive.choose(key, peers, n)
+
+    def _decode(self, payload: bytes, addr: Address, n: int) -> torch.Tensor:
+        if self.adaptive is not None:
+            return self.adaptive.decode(payload, addr, n)
+        return self.codec.decode(payload, addr, n)
+
     def _all_to_all_bytes(self, payloads: list[bytes]) -> list[bytes]:
+        if self.links is not None:
+            return self.links.exchange(payloads)
         return all_to_all_bytes(payloads, self.groups.cross, self.topo.regions)
 
 

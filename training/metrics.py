@@ -26,6 +26,8 @@ from training import metric_names as mn
 from training.errors import GeotrainError
 
 LABELS = ("region", "node", "rank")
+BYTES_PER_VALUE = {"none": 4.0, "fp16": 2.0, "bf16": 2.0, "int8": 1.0, "int4": 0.5}
+"""Bytes per value of each quantizer before zstd (the adaptive codec's gauge)."""
 
 
 class _Tap:
@@ -92,6 +94,16 @@ class RuntimeMetrics:
             registry=r,
         )
         self.ratio = g(mn.COMPRESSION_RATIO, "Cross-region raw / wire bytes")
+        pair = (*LABELS, "src_region", "dst_region")
+        self._link_bw = Gauge(
+            mn.LINK_BANDWIDTH, "Bytes/s this rank's transfers get on a link", pair, registry=r
+        )  # children per link once measured: absent with one region
+        self._link_rtt = Gauge(
+            mn.LINK_RTT, "Round-trip seconds of a link (probe)", pair, registry=r
+        )
+        self._link_width = Gauge(
+            mn.LINK_CODEC_BYTES, "Bytes per value of the adaptive codec on a link", pair, registry=r
+        )
         self.ckpt_age = g(
             mn.CHECKPOINT_AGE,
             "Seconds since this process's newest checkpoint (or since it started)",
@@ -121,6 +133,21 @@ class RuntimeMetrics:
     def link_bytes(self, peer_region: str, n: int) -> None:
         if n:
             self.link.labels(**self._labels, peer_region=peer_region).inc(n)
+
+    def links(self, report: dict[str, Any]) -> None:
+        """Per-link gauges from training.worker.link_report: bandwidth and RTT of each
+        measured link, and the bytes per value of the adaptive codec on each link this rank
+        sends over (`all`, the gather stage, is labelled dst_region=all)."""
+        for link in report["links"]:
+            if not link["samples"]:
+                continue
+            ends = {"src_region": link["src"], "dst_region": link["dst"]}
+            self._link_bw.labels(**self._labels, **ends).set(link["bandwidth"])
+            self._link_rtt.labels(**self._labels, **ends).set(link["rtt"])
+        for peer, c in report["codecs"].items():
+            ends = {"src_region": self._labels["region"], "dst_region": peer}
+            width = BYTES_PER_VALUE[str(c["codec"]).split("/")[0]]
+            self._link_width.labels(**self._labels, **ends).set(width)
 
     def serve(self, host: str, port: int) -> None:
         """Serve on `host` only (never every interface); port 0: not at all."""

@@ -199,7 +199,24 @@ def summarize(log: EventLog, spec_steps: int) -> dict[str, Any]:
         "sync": start[0].get("sync"),
         "warmup": start[0].get("warmup", 0),
         "privacy": privacy_summary(log),
+        "links": links_summary(log),
     }
+
+
+def links_summary(log: EventLog) -> dict[str, Any]:
+    """The region leaders' last word on each link (training.linkprobe) and, with the
+    adaptive codec, what each region sent over it: from `done`, else the start probe."""
+    latest: dict[str, dict[str, Any]] = {}
+    for e in [*log.of("links"), *log.of("done")]:
+        if "links" in e:
+            latest[e["region"]] = e
+    links = [link for e in latest.values() for link in e["links"]]
+    codecs = {
+        f"{region} -> {peer}": c
+        for region, e in sorted(latest.items())
+        for peer, c in e.get("codecs", {}).items()
+    }
+    return {"links": sorted(links, key=lambda k: (k["src"], k["dst"])), "codecs": codecs}
 
 
 def privacy_summary(log: EventLog) -> dict[str, Any]:
@@ -273,6 +290,7 @@ def report_rows(r: dict[str, Any]) -> list[tuple[str, str]]:
         rows.append(("restarts", f"{r['restarts']} (resumed from step {resumed})"))
     rows += _sync_rows(r)
     rows += _privacy_lines(r.get("privacy") or {})
+    rows += _link_rows(r.get("links") or {})
     for i, f in enumerate(r.get("checkpoint_fallbacks", [])):
         rows.append(("checkpoint fallbacks" if i == 0 else "", _fallback(f)))
     return rows
@@ -341,6 +359,28 @@ def _privacy_lines(p: dict[str, Any]) -> list[tuple[str, str]]:
             (
                 "privacy budget",
                 f"{p['stopped_by']} spent its budget: stopped at step {p['stopped_at']}",
+            )
+        )
+    return rows
+
+
+def _link_rows(r: dict[str, Any]) -> list[tuple[str, str]]:
+    """One row per measured link, then one per adaptive codec choice."""
+    rows = []
+    for i, k in enumerate(r.get("links", [])):
+        rows.append(
+            (
+                "links (per rank)" if i == 0 else "",
+                f"{k['src']} -> {k['dst']} {k['bandwidth'] / 1e6:.1f} MB/s  "
+                f"rtt {1e3 * k['rtt']:.2f} ms",
+            )
+        )
+    for i, (link, c) in enumerate(r.get("codecs", {}).items()):
+        uses = ", ".join(f"{k} x{n}" for k, n in c["uses"].items())
+        rows.append(
+            (
+                "adaptive codec" if i == 0 else "",
+                f"{link}: {c['codec']} ({c['switches']} switches; {uses})",
             )
         )
     return rows

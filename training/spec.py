@@ -98,6 +98,56 @@ class RegionSpec:
     """Record-level differential privacy of the region's updates (None: off)."""
 
 
+QUANTIZERS = ("none", "fp16", "bf16", "int8", "int4")
+"""Quantizers of the codec, most precise first (training.codec.QUANT)."""
+
+
+@dataclass(frozen=True, config=_STRICT)
+class AdaptiveSpec:
+    """The codec chosen per link from measured costs (training.adaptive)."""
+
+    quantize: tuple[str, ...] = ("none", "fp16", "int8", "int4")
+    """Quantizers the chooser may pick (receivers accept exactly these)."""
+    zstd_levels: tuple[int, ...] = (1, 3)
+    """zstd levels the chooser may pick."""
+    budget_seconds: float | None = None
+    """Sync time per step the chooser may spend on precision (None: see budget_fraction)."""
+    budget_fraction: float | None = None
+    """Or that budget as a fraction of the step's compute time (None and None: fastest)."""
+    margin: float = 0.15
+    """A challenger must be predicted this fraction faster than the current choice."""
+    patience: int = 3
+    """Consecutive observations a challenger must win before the link switches to it."""
+
+    @model_validator(mode="after")
+    def _bounds(self) -> AdaptiveSpec:
+        for key, message in adaptive_problems(self):
+            raise ValueError(f"{key}: {message}")
+        return self
+
+
+def adaptive_problems(a: Any) -> list[tuple[str, str]]:
+    """What is wrong with `a` (an AdaptiveSpec, or the stack schema's Adaptive: the same
+    field names), as (field, message): the launch spec and the stack checks say the same."""
+    out = []
+    bad = [q for q in a.quantize if q not in QUANTIZERS]
+    if not a.quantize or bad or len(set(a.quantize)) != len(a.quantize):
+        out.append(("quantize", f"{list(a.quantize)} must be distinct values of {QUANTIZERS}"))
+    if not a.zstd_levels or any(not -7 <= lv <= 22 for lv in a.zstd_levels):
+        out.append(("zstd_levels", f"{list(a.zstd_levels)} must be levels from -7 to 22"))
+    if a.budget_seconds is not None and a.budget_fraction is not None:
+        out.append(("budget_seconds", "set budget_seconds or budget_fraction, not both"))
+    if a.budget_seconds is not None and not a.budget_seconds > 0:
+        out.append(("budget_seconds", f"{a.budget_seconds} must be > 0"))
+    if a.budget_fraction is not None and not 0 < a.budget_fraction <= 10:
+        out.append(("budget_fraction", f"{a.budget_fraction} must be in (0, 10]"))
+    if not 0 <= a.margin < 1:
+        out.append(("margin", f"{a.margin} must be in [0, 1)"))
+    if a.patience < 1:
+        out.append(("patience", f"{a.patience} must be at least 1"))
+    return out
+
+
 @dataclass(frozen=True, config=_STRICT)
 class CodecSpec:
     quantize: Quantize = "int8"
@@ -112,6 +162,23 @@ class CodecSpec:
     """sm4-gcm | aes-gcm | none."""
     secure_aggregation: bool = False
     """Mask the cross-region scatter stage pairwise (training.secagg); int8 or int4 only."""
+    adaptive: AdaptiveSpec | None = None
+    """Choose quantizer and zstd level per link from measured costs (None: fixed)."""
+
+    @model_validator(mode="after")
+    def _adaptive_fits(self) -> CodecSpec:
+        a = self.adaptive
+        if a is not None and self.secure_aggregation:
+            raise ValueError(
+                "adaptive cannot be combined with secure_aggregation (the masked stage "
+                "needs one quantizer every region agreed on); drop one of them"
+            )
+        if a is not None and self.quantize not in a.quantize:
+            raise ValueError(
+                f"quantize '{self.quantize}' (the codec before the first measurement) must "
+                f"be one of adaptive.quantize {list(a.quantize)}"
+            )
+        return self
 
 
 @dataclass(frozen=True, config=_STRICT)
@@ -324,6 +391,7 @@ _CLASSES: dict[str, type[Any]] = {
     "shards": ShardSpec,
     "privacy": PrivacySpec,
     "codec": CodecSpec,
+    "adaptive": AdaptiveSpec,
     "diloco": DilocoSpec,
     "checkpoint": CheckpointSpec,
 }

@@ -221,6 +221,7 @@ def setup(
     sync = HierarchicalAllReduce(
         topo, groups, codec, spec.run_id, error_feedback=spec.codec.error_feedback
     )
+    sync.probe()  # every cross-region link's bandwidth and RTT (training.linkprobe)
     privacy = RegionPrivacy.for_rank(spec, topo, text, device)
     job = Job(
         spec=spec,
@@ -549,6 +550,7 @@ def report(
         m.link_bytes(job.topo.region_names[peer], n - job.reported.get(key, 0))
         now[key] = n
     job.reported = now
+    m.links(link_report(job))
     if job.diloco is None or merged or job.diloco.warming(job.step - 1):
         m.syncs.inc()
     if st.cross_wire_bytes:
@@ -573,6 +575,15 @@ def report(
             saving=job.ckpt.saving(),
             **extra,
         )
+
+
+def link_report(job: Job) -> dict[str, Any]:
+    """Every link's estimate (training.linkprobe) and, with codec.adaptive, its codec."""
+    s = job.sync
+    return {
+        "links": s.links.report() if s.links else [],
+        "codecs": s.adaptive.report() if s.adaptive else {},
+    }
 
 
 def privacy_spent(job: Job) -> dict[str, float]:
@@ -614,6 +625,8 @@ def run(
         epoch=session.epoch,
         session=session.id.hex()[:16],
     )
+    if job.leader:
+        job.emit("links", **link_report(job))
     try:
         resumed = resume(job)
         if resumed is not None:
@@ -637,6 +650,7 @@ def run(
             digest=params_digest(job.model),
             encode_s=job.sync.codec.stats.encode_seconds,
             decode_s=job.sync.codec.stats.decode_seconds,
+            **link_report(job),
         )
     dist.barrier()
     dist.destroy_process_group()

@@ -9,6 +9,7 @@ from infra.model.gpus import GPU_TYPES
 from infra.model.schema import StackModel
 from infra.plan.names import WORKER_HOST_OFFSET, ifname
 from training.errors import ConfigError
+from training.spec import adaptive_problems
 
 SINGLE_MACHINE_KINDS = ("local", "lab")
 
@@ -406,6 +407,31 @@ def _training(m: StackModel, source: str) -> None:
         )
     _streaming(m, source)
     _secure_aggregation(m, source)
+    _adaptive(m, source)
+
+
+def _adaptive(m: StackModel, source: str) -> None:
+    """The launch spec's own checks (training.spec.adaptive_problems), with the stack path."""
+    c, path = m.training.compression, "training.compression.adaptive"
+    if c.adaptive is None:
+        return
+    a = c.adaptive
+    for key, message in adaptive_problems(a):
+        raise _err(source, f"{path}.{key}", message)
+    if c.secure_aggregation:
+        raise _err(
+            source,
+            path,
+            "cannot be combined with secure_aggregation (the masked stage needs one "
+            "quantizer every region agreed on); drop one of them",
+        )
+    if c.quantize not in a.quantize:
+        raise _err(
+            source,
+            "training.compression.quantize",
+            f"'{c.quantize}' (the codec before the first measurement) must be one of "
+            f"adaptive.quantize {list(a.quantize)}",
+        )
 
 
 def _streaming(m: StackModel, source: str) -> None:

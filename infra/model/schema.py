@@ -246,6 +246,25 @@ class Network(Strict):
     and the monitoring UIs from (required for ssh pools: everything else is dropped)."""
 
 
+ADAPTIVE_QUANTIZE: tuple[Quantize, ...] = ("none", "fp16", "int8", "int4")
+
+
+class Adaptive(Strict):
+    quantize: list[Quantize] = Field(default_factory=lambda: [*ADAPTIVE_QUANTIZE], min_length=1)
+    """Quantizers the chooser may pick per link (training.adaptive); receivers accept these."""
+    zstd_levels: list[int] = Field(default_factory=lambda: [1, 3], min_length=1)
+    """zstd levels the chooser may pick (-7 to 22)."""
+    budget_seconds: float | None = Field(default=None, gt=0)
+    """Sync time per step the chooser may spend on precision; unset with budget_fraction:
+    always the fastest codec."""
+    budget_fraction: float | None = Field(default=None, gt=0, le=10)
+    """Or that budget as a fraction of the step's compute time (the overlap window is 1)."""
+    margin: float = Field(default=0.15, ge=0, lt=1)
+    """A challenger must be predicted this fraction faster than the current codec."""
+    patience: int = Field(default=3, ge=1, le=1000)
+    """Consecutive observations a challenger must win before a link switches (hysteresis)."""
+
+
 class Compression(Strict):
     quantize: Quantize = "int8"
     """Quantization of cross-region payloads."""
@@ -260,6 +279,9 @@ class Compression(Strict):
     secure_aggregation: bool = False
     """Mask each region's contribution pairwise so the summing region sees only the sum
     (training.secagg; quantize int8/int4, 3+ regions; with diloco: the pseudo-gradients)."""
+    adaptive: Adaptive | None = None
+    """Choose quantizer and zstd level per link from the measured link and codec speeds
+    (training.adaptive); `quantize` is then the codec before the first measurement."""
 
 
 class Diloco(Strict):

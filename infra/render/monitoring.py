@@ -468,6 +468,36 @@ LINKS: tuple[tuple[str, list[tuple[str, str]], str], ...] = (
         [(f"avg by (region) ({mn.COMPRESSION_RATIO})", "{{region}}")],
         "none",
     ),
+    (
+        "Link bandwidth (measured per rank)",
+        [
+            (
+                f"sum by (region, src_region, dst_region) ({mn.LINK_BANDWIDTH})",
+                "{{region}}: {{src_region}} → {{dst_region}}",
+            )
+        ],
+        "Bps",
+    ),
+    (
+        "Link RTT (probe)",
+        [
+            (
+                f"max by (region, src_region, dst_region) ({mn.LINK_RTT})",
+                "{{region}}: {{src_region}} → {{dst_region}}",
+            )
+        ],
+        "s",
+    ),
+    (
+        "Adaptive codec (bytes per value)",
+        [
+            (
+                f"max by (region, src_region, dst_region) ({mn.LINK_CODEC_BYTES})",
+                "{{region}}: {{src_region}} → {{dst_region}}",
+            )
+        ],
+        "none",
+    ),
 )
 HEALTH: tuple[tuple[str, list[tuple[str, str]], str], ...] = (
     ("Targets up", [(f'sum by (region) (up{{job="{RUNTIME_JOB}"}})', "{{region}}")], "none"),

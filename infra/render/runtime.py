@@ -3,9 +3,10 @@ manifests: infra/render/k8s.py)."""
 
 from __future__ import annotations
 
-from infra.model.schema import Privacy
+from infra.model.schema import Adaptive, Privacy
 from infra.plan import Plan, PlanNode
 from training.spec import (
+    AdaptiveSpec,
     CheckpointSpec,
     CodecSpec,
     DilocoSpec,
@@ -77,6 +78,7 @@ def render_launch_spec(plan: Plan) -> LaunchSpec:
             zstd_level=c.zstd_level,
             cipher=c.cipher,
             secure_aggregation=c.secure_aggregation,
+            adaptive=_adaptive(c.adaptive),
         ),
         diloco=DilocoSpec(
             every_steps=t.diloco.every_steps,
@@ -98,6 +100,19 @@ def render_launch_spec(plan: Plan) -> LaunchSpec:
         metrics_port=mon.metrics_port,
         metrics_bind="private" if mon.bind_address == "private" else mon.bind_address,
         max_restarts=t.max_restarts,
+    )
+
+
+def _adaptive(a: Adaptive | None) -> AdaptiveSpec | None:
+    if a is None:
+        return None
+    return AdaptiveSpec(
+        quantize=tuple(a.quantize),
+        zstd_levels=tuple(a.zstd_levels),
+        budget_seconds=a.budget_seconds,
+        budget_fraction=a.budget_fraction,
+        margin=a.margin,
+        patience=a.patience,
     )
 
 

@@ -273,6 +273,8 @@ def _exposition(monkeypatch: pytest.MonkeyPatch | None = None) -> str:
     m.cross_wire.inc(1000)
     m.syncs.inc()
     m.link_bytes("frankfurt", 500)
+    link = {"src": "frankfurt", "dst": "beijing", "bandwidth": 6e6, "rtt": 0.05, "samples": 3}
+    m.links({"links": [link], "codecs": {"frankfurt": {"codec": "int8/zstd1"}}})
     m.checkpointed(0.02)
     m.privacy(1.5, 4.0)
     m.tick()
