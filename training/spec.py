@@ -113,6 +113,27 @@ class CheckpointSpec:
 
 
 @dataclass(frozen=True)
+class FaultToleranceSpec:
+    """Regions as torchft replica groups (training.quorum); see docs/fault-tolerance.md."""
+
+    lighthouse: str
+    """host:port the Lighthouse binds and every region dials (an overlay or loopback
+    address, never a hostname default)."""
+    min_replicas: int
+    """Regions a quorum needs; fewer and the survivors stop (exit 3: whole-job restart)."""
+    store_port: int = 29600
+    """Region i's rendezvous store listens on its first node's host at store_port + i."""
+    join_timeout_s: float = 2.0
+    """How long the Lighthouse waits for every live region before it forms a smaller quorum."""
+    heartbeat_timeout_s: float = 5.0
+    """A region whose Manager is silent this long is left out of the next quorum."""
+    timeout_s: float = 30.0
+    """Cross-region collectives and heals: a dead peer fails the round after at most this."""
+    quorum_timeout_s: float = 120.0
+    """How long a region waits for a quorum (a DiLoCo region waits a whole merge interval)."""
+
+
+@dataclass(frozen=True)
 class LaunchSpec:
     run_id: str
     """Stable id of the run; bound into every payload and checkpoint."""
@@ -155,6 +176,8 @@ class LaunchSpec:
     """Bind address for metrics ('private' = the node's host)."""
     max_restarts: int = 3
     """Restarts after a worker dies."""
+    fault_tolerance: FaultToleranceSpec | None = None
+    """Regions drop and rejoin without a restart (training.quorum); None: off."""
     version: int = SPEC_VERSION
     """Spec format version."""
 
@@ -264,13 +287,17 @@ def _from_dict(raw: Any, source: str) -> LaunchSpec:
             for r in raw["regions"]
         ]
         body = {
-            k: v for k, v in raw.items() if k not in ("regions", "codec", "diloco", "checkpoint")
+            k: v
+            for k, v in raw.items()
+            if k not in ("regions", "codec", "diloco", "checkpoint", "fault_tolerance")
         }
+        ft = raw.get("fault_tolerance")
         spec = LaunchSpec(
             regions=regions,
             codec=CodecSpec(**raw["codec"]),
             diloco=DilocoSpec(**raw["diloco"]),
             checkpoint=CheckpointSpec(**raw["checkpoint"]),
+            fault_tolerance=FaultToleranceSpec(**ft) if ft else None,
             **body,
         )
     except (KeyError, TypeError) as e:

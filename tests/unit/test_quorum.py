@@ -1,0 +1,71 @@
+"""training.quorum's validation and view, and training.heal's sealed transport."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+from datetime import timedelta
+from urllib.error import HTTPError
+
+import pytest
+import torch
+
+from training.errors import SpecError, TransientReject
+from training.heal import SealedTransport, seal, unseal
+from training.quorum import validate, view
+from training.spec import CodecSpec, FaultToleranceSpec
+from training.testing import make_spec
+from training.topology import Topology
+
+FT = FaultToleranceSpec(lighthouse="127.0.0.1:29510", min_replicas=2)
+
+
+def test_min_replicas_outside_the_regions_is_refused_with_the_majority_as_fix() -> None:
+    with pytest.raises(SpecError, match=r"min_replicas 4 is outside 1..3.*use 2"):
+        validate(make_spec(3, 1, fault_tolerance=replace(FT, min_replicas=4)))
+    assert validate(make_spec(3, 1, fault_tolerance=FT)) == FT
+
+
+def test_a_lighthouse_without_a_port_and_secure_aggregation_are_refused() -> None:
+    with pytest.raises(SpecError, match="not host:port"):
+        validate(make_spec(3, 1, fault_tolerance=replace(FT, lighthouse="vm")))
+    with pytest.raises(SpecError, match="secure_aggregation"):
+        validate(make_spec(3, 1, fault_tolerance=FT, codec=CodecSpec(secure_aggregation=True)))
+
+
+def test_the_quorum_view_averages_over_contributors_and_addresses_global_ranks() -> None:
+    topo = Topology.of(make_spec(3, 2), 5)  # region 2, local rank 1
+    v = view(topo, [0, 2], contributors=1)
+    assert (v.regions, v.region_index, v.world_size) == (2, 1, 2)
+    assert v.peer_ranks(1) == [1, 5]
+    assert v.region_names == ("beijing", "silicon-valley")
+
+
+def test_a_heal_moves_the_state_sealed_and_bound_to_its_request() -> None:
+    key = os.urandom(32)
+    donor = SealedTransport("127.0.0.1", key, "run-a")
+    healer = SealedTransport("127.0.0.1", key, "run-a")
+    try:
+        state = {"w": torch.arange(6.0), "step": 7}
+        donor.send_checkpoint([1], 7, state, timedelta(seconds=5))
+        got = healer.recv_checkpoint(0, donor.metadata(), 7, timedelta(seconds=5))
+        assert torch.equal(got["w"], state["w"]) and got["step"] == 7
+        other = SealedTransport("127.0.0.1", os.urandom(32), "run-a")
+        with pytest.raises(TransientReject, match="failed authentication"):
+            other.recv_checkpoint(0, donor.metadata(), 7, timedelta(seconds=5))
+        other.shutdown()
+        donor.disallow_checkpoint()
+        donor.wait_s = 0.1
+        with pytest.raises(HTTPError):
+            healer.recv_checkpoint(0, donor.metadata(), 7, timedelta(seconds=5))
+    finally:
+        donor.shutdown()
+        healer.shutdown()
+
+
+def test_a_sealed_body_replayed_for_another_challenge_fails() -> None:
+    key = os.urandom(16)
+    blob = seal(key, "sm4-gcm", b"state", b"challenge-1")
+    assert unseal(key, "sm4-gcm", blob, b"challenge-1") == b"state"
+    with pytest.raises(TransientReject):
+        unseal(key, "sm4-gcm", blob, b"challenge-2")
