@@ -12,6 +12,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from infra.model.fault_tolerance import FaultTolerance
+
 NAME_PATTERN = r"^[a-z][a-z0-9-]{0,30}[a-z0-9]$"
 Jurisdiction = Literal["CN", "EU", "US", "UK", "JP", "KR", "SG", "IN", "CA", "AU", "BR", "CH"]
 PoolKind = Literal["local", "lab", "ssh", "kubernetes", "aws", "alicloud", "gcp"]
@@ -340,6 +342,8 @@ class Training(Strict):
     """Restarts after a worker dies (torchrun --max-restarts semantics)."""
     bucket_mb: float = Field(default=4.0, gt=0, le=1024)
     """Gradient bucket size for the hierarchical all-reduce."""
+    fault_tolerance: FaultTolerance | None = None
+    """Regions drop and rejoin without a restart (torchft quorum; None: off)."""
 
 
 Severity = Literal["critical", "warning"]

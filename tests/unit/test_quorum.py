@@ -5,15 +5,22 @@ from __future__ import annotations
 import os
 from dataclasses import replace
 from datetime import timedelta
+from pathlib import Path
+from typing import Any
 from urllib.error import HTTPError
 
 import pytest
 import torch
+import yaml
 
-from training.errors import SpecError, TransientReject
+from infra.model import load_stack
+from infra.model.load import STACKS_DIR as STACKS
+from infra.plan import build_plan
+from infra.render.runtime import render_launch_spec
+from training.errors import ConfigError, SpecError, TransientReject
 from training.heal import SealedTransport, seal, unseal
 from training.quorum import validate, view
-from training.spec import CodecSpec, FaultToleranceSpec
+from training.spec import CodecSpec, FaultToleranceSpec, LaunchSpec
 from training.testing import make_spec
 from training.topology import Topology
 
@@ -69,3 +76,34 @@ def test_a_sealed_body_replayed_for_another_challenge_fails() -> None:
     assert unseal(key, "sm4-gcm", blob, b"challenge-1") == b"state"
     with pytest.raises(TransientReject):
         unseal(key, "sm4-gcm", blob, b"challenge-2")
+
+
+# -- the stack places the Lighthouse -------------------------------------------------------
+def _stack(tmp_path: Path, **ft: Any) -> Path:
+    doc = yaml.safe_load((STACKS / "Pulumi.local.yaml").read_text())
+    doc["config"]["geotrain:training"]["fault_tolerance"] = ft
+    path = tmp_path / "Pulumi.ft.yaml"
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return path
+
+
+def test_the_stack_places_the_lighthouse_on_a_region_at_its_private_address(
+    tmp_path: Path,
+) -> None:
+    plan = build_plan(load_stack(str(_stack(tmp_path, lighthouse="frankfurt"))))
+    ft = render_launch_spec(plan).fault_tolerance
+    assert ft is not None
+    host = plan.regions[1].nodes[0].private_ip
+    assert ft.lighthouse == f"{host}:29510"
+    assert ft.min_replicas == len(plan.regions) // 2 + 1  # the default: a majority
+    spec = render_launch_spec(plan)
+    assert LaunchSpec.from_json(spec.to_json()).fault_tolerance == ft
+
+
+def test_a_lighthouse_on_an_unknown_place_or_too_many_replicas_is_a_config_error(
+    tmp_path: Path,
+) -> None:
+    with pytest.raises(ConfigError, match=r"fault_tolerance.lighthouse: 'mars' is no region"):
+        load_stack(str(_stack(tmp_path, lighthouse="mars")))
+    with pytest.raises(ConfigError, match=r"min_replicas: 9 exceeds the stack's 3 regions; use 2"):
+        load_stack(str(_stack(tmp_path, lighthouse="beijing", min_replicas=9)))
