@@ -57,6 +57,7 @@ class Run:
             timeout_s=10.0,
             quorum_timeout_s=kw.pop("quorum_timeout_s", 60.0),
         )
+        every = kw.pop("checkpoint_every", 1000)
         self.lighthouse = start_lighthouse(ft)
         addr = advertised(ft, self.lighthouse)
         key = tmp / "run.key"
@@ -71,7 +72,7 @@ class Run:
             key_file=str(key),
             metrics_port=0,
             checkpoint=CheckpointSpec(
-                dir=str(tmp / "ckpt"), interval_steps=1000, interval_minutes=60
+                dir=str(tmp / "ckpt"), interval_steps=every, interval_minutes=60
             ),
             fault_tolerance=replace(ft, lighthouse=addr),
             **kw,
@@ -191,3 +192,36 @@ def test_a_region_killed_mid_run_is_left_out_then_heals_and_ends_bitwise_equal(
     assert quorums[-1]["members"] == ["beijing", "frankfurt"]
     assert _done(survivor)["digest"] == _done(back)["digest"]
     assert _done(survivor)["step"] == _done(back)["step"] == steps
+
+
+@pytest.mark.timeout(150)
+def test_losing_the_majority_stops_the_survivor_and_the_job_resumes_from_checkpoints(
+    run_factory: Any,
+) -> None:
+    steps = 12
+    run = run_factory(
+        regions=2,
+        steps=steps,
+        min_replicas=2,
+        quorum_timeout_s=3.0,
+        checkpoint_every=3,
+    )
+    for r in (0, 1):
+        run.start(r)
+    run.wait("a committed checkpoint", lambda: any(e["event"] == "committed" for e in run.log(0)))
+    run.wait("both regions at step 5", lambda: min(len(_steps(run.log(r))) for r in (0, 1)) >= 5)
+    os.kill(run.procs[1].pid, signal.SIGKILL)
+    run.procs.pop(1).wait()
+    survivor = run.procs.pop(0)
+    assert survivor.wait(timeout=60) == 3  # QuorumLost: the launcher restarts the whole job
+    assert "no quorum of 2 regions" in (run.tmp / "err0.log").read_text()
+    for r in (0, 1):  # the whole job, as a launcher restarts it
+        run.start(r)
+    done = lambda: all(any(e["event"] == "done" for e in run.log(r)) for r in (0, 1))  # noqa: E731
+    run.wait("both regions done", done)
+    logs = [run.log(r) for r in (0, 1)]
+    for log in logs:
+        assert [e["event"] for e in log].count("start") == 2
+        assert next(e["step"] for e in log if e["event"] == "resume") % 3 == 0
+    assert _done(logs[0])["digest"] == _done(logs[1])["digest"]
+    assert _done(logs[0])["step"] == steps
