@@ -96,6 +96,12 @@ def validate(spec: LaunchSpec) -> FaultToleranceSpec:
             f"fault_tolerance.lighthouse '{ft.lighthouse}' is not host:port; the stack "
             "renders it from geotrain:training.fault_tolerance.lighthouse"
         )
+    if ft.quorum_timeout_s <= ft.heartbeat_timeout_s:
+        raise SpecError(
+            f"fault_tolerance.quorum_timeout_s {ft.quorum_timeout_s:g} must exceed "
+            f"heartbeat_timeout_s {ft.heartbeat_timeout_s:g}: a restarted job waits for the "
+            "Lighthouse to forget the members of the attempt before"
+        )
     unsupported = {
         "codec.secure_aggregation": spec.codec.secure_aggregation,
         "regions[].privacy": any(r.privacy for r in spec.regions),

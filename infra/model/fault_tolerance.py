@@ -84,6 +84,13 @@ def check(m: StackModel, source: str) -> None:
             f"ports {stores.start}-{stores.stop - 1} (one per "
             "region) overlap the lighthouse or rendezvous port; move store_port",
         )
+    if ft.quorum_timeout_s <= ft.heartbeat_timeout_s:
+        raise ConfigError(
+            source,
+            f"{where}.quorum_timeout_s",
+            f"{ft.quorum_timeout_s:g} must exceed heartbeat_timeout_s "
+            f"{ft.heartbeat_timeout_s:g} (a restarted job waits for stale members to expire)",
+        )
     t = m.training
     unsupported = {
         "training.compression.secure_aggregation": t.compression.secure_aggregation,
