@@ -171,6 +171,31 @@ def launch(
         signal.signal(sig, _exit_on_signal)
     result = LaunchResult()
     forget_records_of_fresh_roots(spec, nodes, run_dir)
+    with _lighthouse(spec, nodes):
+        _attempts(spec, spec_path, nodes, run_dir, result, on_poll, on_restart)
+    return result
+
+
+def _lighthouse(
+    spec: LaunchSpec, nodes: list[NodeSpec]
+) -> contextlib.AbstractContextManager[object]:
+    """fault_tolerance: the Lighthouse, hosted by the launcher of the node it is placed on."""
+    if spec.fault_tolerance is None:
+        return contextlib.nullcontext()
+    from training.quorum import lighthouse_for  # imports torchft: only when it is on
+
+    return lighthouse_for(spec, {n.host for n in nodes})
+
+
+def _attempts(
+    spec: LaunchSpec,
+    spec_path: Path,
+    nodes: list[NodeSpec],
+    run_dir: Path,
+    result: LaunchResult,
+    on_poll: Callable[[], None] | None,
+    on_restart: Callable[[Attempt], None] | None,
+) -> None:
     for restart in range(spec.max_restarts + 1):
         started = time.time()
         env = {
@@ -189,7 +214,6 @@ def launch(
             break
         if on_restart and restart < spec.max_restarts:
             on_restart(attempt)
-    return result
 
 
 def _hostile(attempt: Attempt, events: Path, nodes: list[NodeSpec], since: float) -> Attempt:

@@ -442,6 +442,22 @@ def region_checkpointer(
 
 
 # -- the lighthouse process -----------------------------------------------------------
+@contextlib.contextmanager
+def lighthouse_for(spec: LaunchSpec, hosts: set[str]) -> Iterator[str | None]:
+    """Host the run's Lighthouse in this (launcher) process for the block when the stack
+    placed it on one of `hosts` (the nodes this launcher runs): it outlives every restart
+    of the workers. Yields its address, or None when it runs elsewhere (or is off)."""
+    ft = spec.fault_tolerance
+    if ft is None or ft.lighthouse.rpartition(":")[0] not in hosts:
+        yield None
+        return
+    server = start_lighthouse(validate(spec))
+    try:
+        yield advertised(ft, server)
+    finally:
+        server.shutdown()
+
+
 def serve_lighthouse(spec: LaunchSpec) -> None:
     """Run the Lighthouse until SIGTERM/SIGINT."""
     ft = validate(spec)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
@@ -19,7 +20,7 @@ from infra.plan import build_plan
 from infra.render.runtime import render_launch_spec
 from training.errors import ConfigError, SpecError, TransientReject
 from training.heal import SealedTransport, seal, unseal
-from training.quorum import validate, view
+from training.quorum import lighthouse_for, validate, view
 from training.spec import CodecSpec, FaultToleranceSpec, LaunchSpec
 from training.testing import make_spec
 from training.topology import Topology
@@ -107,3 +108,13 @@ def test_a_lighthouse_on_an_unknown_place_or_too_many_replicas_is_a_config_error
         load_stack(str(_stack(tmp_path, lighthouse="mars")))
     with pytest.raises(ConfigError, match=r"min_replicas: 9 exceeds the stack's 3 regions; use 2"):
         load_stack(str(_stack(tmp_path, lighthouse="beijing", min_replicas=9)))
+
+
+def test_the_launcher_of_the_lighthouse_node_hosts_it_and_no_other_launcher_does() -> None:
+    spec = make_spec(2, 1, fault_tolerance=replace(FT, lighthouse="127.0.0.1:0", min_replicas=1))
+    with lighthouse_for(spec, {"10.9.0.1"}) as elsewhere:
+        assert elsewhere is None
+    with lighthouse_for(spec, {"127.0.0.1"}) as addr:
+        assert addr is not None and addr.startswith("127.0.0.1:")
+        host, port = addr.rsplit(":", 1)
+        socket.create_connection((host, int(port)), timeout=5).close()
