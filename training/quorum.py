@@ -157,11 +157,27 @@ def fold(src: SyncStats, dst: SyncStats, members: tuple[int, ...]) -> None:
 
 # -- torchft pieces -------------------------------------------------------------------
 class QuorumGroup(ProcessGroupGloo):
-    """torchft's reconfigurable gloo group, remembering who the current quorum holds."""
+    """torchft's reconfigurable gloo group, remembering who the current quorum holds, and
+    bound to the node's address: torchft creates gloo's default device, which listens on
+    what the hostname resolves to (see training/gloo.py)."""
 
     ranks: list[int]
     """Global ranks of the group, in group rank order."""
     quorum_id: int = -1
+    address: str = "127.0.0.1"
+    """The node's private address: gloo listens and is reached there."""
+
+    def _create_pg(self, store: Any, rank: int, world_size: int) -> Any:
+        """torchft's `ProcessGroupGloo._create_pg`, with a bound device."""
+        pg = dist.ProcessGroup(store, rank, world_size)
+        pg._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
+        opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+        opts._timeout = self._timeout
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=self.address)]
+        backend = dist.ProcessGroupGloo(store, rank, world_size, opts)
+        backend._set_sequence_number_for_group()
+        pg._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, backend)
+        return pg
 
     def configure(
         self,
@@ -260,6 +276,7 @@ class Quorum:
         assert ft is not None  # validate() ran
         t = timedelta(seconds=ft.timeout_s)
         self.pg = QuorumGroup(timeout=t)
+        self.pg.address = self.host
         self.transport = SealedTransport(
             self.host, self.key, self.spec.run_id, self.spec.codec.cipher
         )

@@ -4,7 +4,9 @@ on loopback, a Lighthouse in the test process, workers killed with -9 and restar
 from __future__ import annotations
 
 import os
+import re
 import signal
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +16,15 @@ from training.ft_testing import RegionRun, done_of, steps_of
 from training.spec import DilocoSpec
 
 _steps, _done = steps_of, done_of
+
+
+def _wildcard_listeners(pids: list[int]) -> list[str]:
+    """TCP listeners of `pids` on every interface (0.0.0.0, ::, *): the ManagerServer, heal
+    server, stores and gloo groups must each bind the node's address."""
+    out = subprocess.run(["ss", "-Hltnp"], capture_output=True, text=True, check=True).stdout
+    mine = [line for line in out.splitlines() if any(f"pid={p}," in line for p in pids)]
+    assert mine, out  # the workers' listeners are visible at all
+    return [line for line in mine if re.search(r"\s(0\.0\.0\.0|\[::\]|\*):\d+\s", line)]
 
 
 @pytest.fixture
@@ -48,6 +59,7 @@ def test_a_region_killed_mid_run_is_left_out_then_heals_and_ends_bitwise_equal(
     for r in (0, 1):
         run.start(r)
     run.wait("both regions at step 5", lambda: min(len(_steps(run.log(r))) for r in (0, 1)) >= 5)
+    assert _wildcard_listeners([p.pid for p in run.procs.values()]) == []
     os.kill(run.procs[1].pid, signal.SIGKILL)
     run.procs.pop(1).join()
     run.wait("steps without frankfurt", lambda: _after_exclusion(run.log(0)) >= 3)
