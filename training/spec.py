@@ -264,6 +264,30 @@ def listeners(spec: LaunchSpec) -> list[dict[str, Any]]:
                 host, port = metrics_endpoint(spec, n, i)
                 if port:
                     out.append({"service": "metrics", "bind": host, "port": port, "node": n.name})
+    return out + _quorum_listeners(spec)
+
+
+def _quorum_listeners(spec: LaunchSpec) -> list[dict[str, Any]]:
+    """fault_tolerance (training.quorum): the Lighthouse, each region's store, and per
+    worker its torchft ManagerServer and heal server (ephemeral ports, shown as 0)."""
+    ft = spec.fault_tolerance
+    if ft is None:
+        return []
+    host, _, port = ft.lighthouse.rpartition(":")
+    out: list[dict[str, Any]] = [{"service": "lighthouse", "bind": host, "port": int(port)}]
+    for i, r in enumerate(spec.regions):
+        first = r.nodes[0]
+        out.append(
+            {
+                "service": "region-store",
+                "bind": first.host,
+                "port": ft.store_port + i,
+                "node": first.name,
+            }
+        )
+        for n in r.nodes:
+            for service in ("torchft-manager", "heal"):
+                out.append({"service": service, "bind": n.host, "port": 0, "node": n.name})
     return out
 
 

@@ -21,10 +21,11 @@ from infra.render.runtime import render_launch_spec
 from training.errors import ConfigError, SpecError, TransientReject
 from training.heal import SealedTransport, seal, unseal
 from training.quorum import lighthouse_for, validate, view
-from training.spec import CodecSpec, FaultToleranceSpec, LaunchSpec
+from training.spec import CodecSpec, FaultToleranceSpec, LaunchSpec, listeners
 from training.testing import make_spec
 from training.topology import Topology
 
+QUORUM_SERVICES = {"lighthouse", "region-store", "torchft-manager", "heal"}
 FT = FaultToleranceSpec(lighthouse="127.0.0.1:29510", min_replicas=2)
 
 
@@ -118,3 +119,12 @@ def test_the_launcher_of_the_lighthouse_node_hosts_it_and_no_other_launcher_does
         assert addr is not None and addr.startswith("127.0.0.1:")
         host, port = addr.rsplit(":", 1)
         socket.create_connection((host, int(port)), timeout=5).close()
+
+
+def test_every_quorum_listener_is_listed_at_a_node_address_for_the_policy_facts() -> None:
+    spec = make_spec(2, 1, fault_tolerance=FT)
+    ft = [e for e in listeners(spec) if e["service"] in QUORUM_SERVICES]
+    assert {e["service"] for e in ft} == QUORUM_SERVICES
+    assert {e["bind"] for e in ft} == {"127.0.0.1"}
+    assert [e["port"] for e in ft if e["service"] == "region-store"] == [29600, 29601]
+    assert not [e for e in listeners(make_spec(2, 1)) if e["service"] in QUORUM_SERVICES]
