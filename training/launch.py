@@ -206,7 +206,12 @@ def _attempts(
             "GEOTRAIN_RUN_DIR": str(run_dir),
             "PYTHONUNBUFFERED": "1",
         }
-        attempt = run_group(spec_path, nodes, env, run_dir / "logs", on_poll)
+        if spec.fault_tolerance is None:
+            attempt = run_group(spec_path, nodes, env, run_dir / "logs", on_poll)
+        else:  # a failed region restarts alone (training.ft_launch)
+            from training.ft_launch import run_regions
+
+            attempt = run_regions(spec, spec_path, nodes, env, run_dir / "logs", on_poll)
         if attempt.rc != 0:
             attempt = _hostile(attempt, run_dir / "events.jsonl", nodes, started)
         result.attempts.append(attempt)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
@@ -18,7 +19,9 @@ from infra.model import load_stack
 from infra.model.load import STACKS_DIR as STACKS
 from infra.plan import build_plan
 from infra.render.runtime import render_launch_spec
+from training import launch
 from training.errors import ConfigError, SpecError, TransientReject
+from training.ft_launch import run_regions
 from training.heal import SealedTransport, seal, unseal
 from training.quorum import lighthouse_for, validate, view
 from training.spec import CodecSpec, FaultToleranceSpec, LaunchSpec, listeners
@@ -128,3 +131,47 @@ def test_every_quorum_listener_is_listed_at_a_node_address_for_the_policy_facts(
     assert {e["bind"] for e in ft} == {"127.0.0.1"}
     assert [e["port"] for e in ft if e["service"] == "region-store"] == [29600, 29601]
     assert not [e for e in listeners(make_spec(2, 1)) if e["service"] in QUORUM_SERVICES]
+
+
+# -- the launcher restarts a failed region alone --------------------------------------------
+def _fake_workers(monkeypatch: pytest.MonkeyPatch, tmp: Path, codes: dict[str, list[int]]) -> None:
+    """Workers that count their starts in tmp/<node> and exit with codes[node][start]."""
+    script = (
+        "import sys, time, pathlib\n"
+        "p = pathlib.Path(sys.argv[1]); n = int(p.read_text()) if p.exists() else 0\n"
+        "p.write_text(str(n + 1)); time.sleep(float(sys.argv[3]))\n"
+        "sys.exit(int(sys.argv[2].split(',')[n]))\n"
+    )
+
+    def command(spec_path: Path, node: Any, local_rank: int) -> list[str]:
+        c = codes[node.name]
+        hold = "0.6" if node.name == "n0" else "0"  # region 0 is still training meanwhile
+        return [sys.executable, "-c", script, str(tmp / node.name), ",".join(map(str, c)), hold]
+
+    monkeypatch.setattr(launch, "worker_command", command)
+
+
+def _starts(tmp: Path, node: str) -> int:
+    return int((tmp / node).read_text())
+
+
+def test_a_failed_region_restarts_alone_while_the_other_trains_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    spec = make_spec(2, 1, fault_tolerance=FT, max_restarts=2)
+    _fake_workers(monkeypatch, tmp_path, {"n0": [0], "n1": [137, 0]})
+    nodes = [n for r in spec.regions for n in r.nodes]
+    attempt = run_regions(spec, tmp_path / "spec.json", nodes, dict(os.environ), tmp_path / "logs")
+    assert attempt.rc == 0
+    assert (_starts(tmp_path, "n0"), _starts(tmp_path, "n1")) == (1, 2)
+
+
+def test_quorum_lost_ends_the_attempt_of_every_region(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    spec = make_spec(2, 1, fault_tolerance=FT, max_restarts=2)
+    _fake_workers(monkeypatch, tmp_path, {"n0": [0], "n1": [3]})
+    nodes = [n for r in spec.regions for n in r.nodes]
+    attempt = run_regions(spec, tmp_path / "spec.json", nodes, dict(os.environ), tmp_path / "logs")
+    assert (attempt.rc, attempt.failed) == (3, "n1/0")
+    assert _starts(tmp_path, "n1") == 1
