@@ -21,6 +21,10 @@ from training.spec import LaunchSpec, NodeSpec
 
 WHOLE_GROUP = (2, 3)
 """Exit codes that end the attempt of every region (bad input or hostile; QuorumLost)."""
+FINISH_GRACE_S = 30.0
+"""Once a region finished the run, the others get this long to finish too. A region that
+is still running after it, or fails, came back too late to rejoin (nobody is left to heal
+from): it is stopped rather than restarted, and the run is done."""
 
 
 def run_regions(
@@ -38,13 +42,21 @@ def run_regions(
     procs = {r: _start(spec_path, ns, env, log_dir) for r, ns in regions.items()}
     restarts = dict.fromkeys(regions, 0)
     t0 = time.monotonic()
+    ended: float | None = None
     try:
         while True:
             if on_poll:
                 on_poll()
+            if ended is None and any(_finished(ps) for ps in procs.values()):
+                ended = time.monotonic()
+            if ended is not None and (
+                time.monotonic() - ended > FINISH_GRACE_S
+                or all(p.poll() is not None for ps in procs.values() for p in ps.values())
+            ):
+                return launch.Attempt(0, None, time.monotonic() - t0)
             for r, ps in procs.items():
                 failed = _failed(ps)
-                if failed is None:
+                if failed is None or ended is not None:
                     continue
                 who, rc = failed
                 if rc in WHOLE_GROUP or restarts[r] >= spec.max_restarts:
@@ -70,6 +82,10 @@ def _start(
         for n in nodes
         for i in range(n.nprocs)
     }
+
+
+def _finished(procs: dict[str, subprocess.Popen[bytes]]) -> bool:
+    return all(p.poll() == 0 for p in procs.values())
 
 
 def _failed(procs: dict[str, subprocess.Popen[bytes]]) -> tuple[str, int] | None:

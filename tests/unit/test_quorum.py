@@ -134,8 +134,14 @@ def test_every_quorum_listener_is_listed_at_a_node_address_for_the_policy_facts(
 
 
 # -- the launcher restarts a failed region alone --------------------------------------------
-def _fake_workers(monkeypatch: pytest.MonkeyPatch, tmp: Path, codes: dict[str, list[int]]) -> None:
-    """Workers that count their starts in tmp/<node> and exit with codes[node][start]."""
+def _fake_workers(
+    monkeypatch: pytest.MonkeyPatch,
+    tmp: Path,
+    codes: dict[str, list[int]],
+    holds: dict[str, float] | None = None,
+) -> None:
+    """Workers that count their starts in tmp/<node>, run holds[node] seconds (default:
+    region 0 a while, the others not at all) and exit with codes[node][start]."""
     script = (
         "import sys, time, pathlib\n"
         "p = pathlib.Path(sys.argv[1]); n = int(p.read_text()) if p.exists() else 0\n"
@@ -145,7 +151,7 @@ def _fake_workers(monkeypatch: pytest.MonkeyPatch, tmp: Path, codes: dict[str, l
 
     def command(spec_path: Path, node: Any, local_rank: int) -> list[str]:
         c = codes[node.name]
-        hold = "0.6" if node.name == "n0" else "0"  # region 0 is still training meanwhile
+        hold = str((holds or {"n0": 0.6}).get(node.name, 0))
         return [sys.executable, "-c", script, str(tmp / node.name), ",".join(map(str, c)), hold]
 
     monkeypatch.setattr(launch, "worker_command", command)
@@ -174,4 +180,15 @@ def test_quorum_lost_ends_the_attempt_of_every_region(
     nodes = [n for r in spec.regions for n in r.nodes]
     attempt = run_regions(spec, tmp_path / "spec.json", nodes, dict(os.environ), tmp_path / "logs")
     assert (attempt.rc, attempt.failed) == (3, "n1/0")
+    assert _starts(tmp_path, "n1") == 1
+
+
+def test_a_region_that_fails_after_another_finished_the_run_is_not_restarted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    spec = make_spec(2, 1, fault_tolerance=FT, max_restarts=2)
+    _fake_workers(monkeypatch, tmp_path, {"n0": [0], "n1": [137, 0]}, {"n0": 0, "n1": 0.6})
+    nodes = [n for r in spec.regions for n in r.nodes]
+    attempt = run_regions(spec, tmp_path / "spec.json", nodes, dict(os.environ), tmp_path / "logs")
+    assert attempt.rc == 0  # nobody is left to heal from: the run is done
     assert _starts(tmp_path, "n1") == 1
