@@ -214,7 +214,17 @@ def run(
     spec: LaunchSpec, node: str, local_rank: int, events: Path | None, run_dir: Path | None
 ) -> None:
     job, q = setup(spec, node, local_rank, events, run_dir)
-    job.emit("start", pid=os.getpid(), node=node, world=spec.world_size, sync=spec.sync, ft=True)
+    job.emit(
+        "start",
+        pid=os.getpid(),
+        node=node,
+        params=sum(p.numel() for p in job.model.parameters()),
+        world=spec.world_size,
+        regions=len(spec.regions),
+        sync=spec.sync,
+        warmup=spec.diloco.warmup_steps if spec.sync == "diloco" else 0,
+        ft=True,  # sessions are per quorum (training.quorum), not per start
+    )
     try:
         resumed = w.resume(job)
         if resumed is not None:

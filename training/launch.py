@@ -182,6 +182,8 @@ def _lighthouse(
     """fault_tolerance: the Lighthouse, hosted by the launcher of the node it is placed on."""
     if spec.fault_tolerance is None:
         return contextlib.nullcontext()
+    # torchft's Lighthouse logs every quorum request at INFO into the launcher's output
+    os.environ.setdefault("RUST_LOG", "warn")
     from training.quorum import lighthouse_for  # imports torchft: only when it is on
 
     return lighthouse_for(spec, {n.host for n in nodes})
