@@ -14,7 +14,9 @@ from urllib.error import HTTPError
 import pytest
 import torch
 import yaml
+from prometheus_client import generate_latest
 
+from geotrain.monitoring import RegionView, _fold, format_top
 from infra.model import load_stack
 from infra.model.load import STACKS_DIR as STACKS
 from infra.plan import build_plan
@@ -23,6 +25,7 @@ from training import launch
 from training.errors import ConfigError, SpecError, TransientReject
 from training.ft_launch import run_regions
 from training.heal import SealedTransport, seal, unseal
+from training.metrics import RuntimeMetrics
 from training.quorum import lighthouse_for, validate, view
 from training.spec import CodecSpec, FaultToleranceSpec, LaunchSpec, listeners
 from training.testing import make_spec
@@ -192,3 +195,17 @@ def test_a_region_that_fails_after_another_finished_the_run_is_not_restarted(
     attempt = run_regions(spec, tmp_path / "spec.json", nodes, dict(os.environ), tmp_path / "logs")
     assert attempt.rc == 0  # nobody is left to heal from: the run is done
     assert _starts(tmp_path, "n1") == 1
+
+
+def test_top_shows_the_quorum_size_and_the_regions_it_leaves_out() -> None:
+    m = RuntimeMetrics("beijing", "bj-0", 0)
+    m.step.set(7)
+    v = RegionView(targets=1, up=1)
+    _fold(v, generate_latest(m.registry).decode())
+    assert "quorum" not in format_top({"beijing": v})  # no fault_tolerance: no column
+    m.quorum(["beijing", "singapore"], ["frankfurt"])
+    v = RegionView(targets=1, up=1)
+    _fold(v, generate_latest(m.registry).decode())
+    out = format_top({"beijing": v})
+    assert out.splitlines()[0].endswith("quorum") and out.splitlines()[1].endswith("2")
+    assert out.splitlines()[-1] == "left out of the training quorum: frankfurt"
