@@ -19,6 +19,7 @@ from infra.plan import Plan
 from infra.render import render_alert_rules, render_alertmanager, render_prometheus
 from infra.render.monitoring import RULES_FILE
 from training import metric_names as mn
+from training.metrics import QUORUM_EXCLUDED, QUORUM_REGIONS
 from training.spec import metrics_port
 
 INSTALL_HINT = (
@@ -114,6 +115,10 @@ class RegionView:
     ckpt_age: float | None = None
     targets: int = 0
     up: int = 0
+    quorum: float | None = None
+    """Regions in the smallest quorum a rank of the region reports (fault_tolerance)."""
+    excluded: set[str] = field(default_factory=set)
+    """Regions a rank's current quorum leaves out."""
 
 
 def targets(plan: Plan) -> list[tuple[str, str]]:
@@ -155,20 +160,37 @@ def _fold(v: RegionView, text: str) -> None:
         v.sync_s.append(values[mn.SYNC_SECONDS])
     if values.get(mn.CHECKPOINT_AGE):
         v.ckpt_age = max(v.ckpt_age or 0.0, values[mn.CHECKPOINT_AGE])
+    _fold_quorum(v, text)
+
+
+def _fold_quorum(v: RegionView, text: str) -> None:
+    """fault_tolerance series (training.metrics.QUORUM_*): quorum size and excluded regions."""
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name == QUORUM_REGIONS:
+                v.quorum = s.value if v.quorum is None else min(v.quorum, s.value)
+            elif s.name == QUORUM_EXCLUDED and s.value == 1:
+                v.excluded.add(s.labels["excluded_region"])
 
 
 def format_top(views: dict[str, RegionView]) -> str:
+    ft = any(v.quorum is not None for v in views.values())
     rows = [
         f"{'region':<16}{'up':>6}{'step':>8}{'loss':>9}{'tok/s':>10}{'sync s':>9}{'ckpt age':>10}"
+        + (f"{'quorum':>8}" if ft else "")
     ]
     for name, v in views.items():
         loss = f"{sum(v.loss) / len(v.loss):.3f}" if v.loss else "-"
         sync = f"{sum(v.sync_s) / len(v.sync_s):.3f}" if v.sync_s else "-"
         age = f"{v.ckpt_age:.0f}s" if v.ckpt_age is not None else "-"
+        quorum = "" if not ft else f"{v.quorum:>8.0f}" if v.quorum is not None else f"{'-':>8}"
         rows.append(
             f"{name:<16}{f'{v.up}/{v.targets}':>6}{v.step:>8.0f}{loss:>9}"
-            f"{v.tokens_per_s:>10.0f}{sync:>9}{age:>10}"
+            f"{v.tokens_per_s:>10.0f}{sync:>9}{age:>10}{quorum}"
         )
+    out = set().union(*(v.excluded for v in views.values())) if views else set()
+    if out:
+        rows.append(f"left out of the training quorum: {', '.join(sorted(out))}")
     return "\n".join(rows)
 
 

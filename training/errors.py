@@ -162,3 +162,10 @@ class RoundAborted(SecureAggregationError):
 class PrivacyBudgetSpent(GeotrainError):
     """A region's differential-privacy budget would be exceeded by the next step; every
     rank stops at the same step (training.privacy.agreed_stop) and the run ends, exit 2."""
+
+
+class QuorumLost(GeotrainError):
+    """Fewer regions than `fault_tolerance.min_replicas` stayed in training (training.quorum):
+    the survivors stop, and the whole job restarts from its checkpoints."""
+
+    exit_code = 3

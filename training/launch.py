@@ -171,6 +171,33 @@ def launch(
         signal.signal(sig, _exit_on_signal)
     result = LaunchResult()
     forget_records_of_fresh_roots(spec, nodes, run_dir)
+    with _lighthouse(spec, nodes):
+        _attempts(spec, spec_path, nodes, run_dir, result, on_poll, on_restart)
+    return result
+
+
+def _lighthouse(
+    spec: LaunchSpec, nodes: list[NodeSpec]
+) -> contextlib.AbstractContextManager[object]:
+    """fault_tolerance: the Lighthouse, hosted by the launcher of the node it is placed on."""
+    if spec.fault_tolerance is None:
+        return contextlib.nullcontext()
+    # torchft's Lighthouse logs every quorum request at INFO into the launcher's output
+    os.environ.setdefault("RUST_LOG", "warn")
+    from training.quorum import lighthouse_for  # imports torchft: only when it is on
+
+    return lighthouse_for(spec, {n.host for n in nodes})
+
+
+def _attempts(
+    spec: LaunchSpec,
+    spec_path: Path,
+    nodes: list[NodeSpec],
+    run_dir: Path,
+    result: LaunchResult,
+    on_poll: Callable[[], None] | None,
+    on_restart: Callable[[Attempt], None] | None,
+) -> None:
     for restart in range(spec.max_restarts + 1):
         started = time.time()
         env = {
@@ -181,7 +208,12 @@ def launch(
             "GEOTRAIN_RUN_DIR": str(run_dir),
             "PYTHONUNBUFFERED": "1",
         }
-        attempt = run_group(spec_path, nodes, env, run_dir / "logs", on_poll)
+        if spec.fault_tolerance is None:
+            attempt = run_group(spec_path, nodes, env, run_dir / "logs", on_poll)
+        else:  # a failed region restarts alone (training.ft_launch)
+            from training.ft_launch import run_regions
+
+            attempt = run_regions(spec, spec_path, nodes, env, run_dir / "logs", on_poll)
         if attempt.rc != 0:
             attempt = _hostile(attempt, run_dir / "events.jsonl", nodes, started)
         result.attempts.append(attempt)
@@ -189,7 +221,6 @@ def launch(
             break
         if on_restart and restart < spec.max_restarts:
             on_restart(attempt)
-    return result
 
 
 def _hostile(attempt: Attempt, events: Path, nodes: list[NodeSpec], since: float) -> Attempt:

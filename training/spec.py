@@ -233,6 +233,27 @@ class CheckpointSpec:
 
 
 @dataclass(frozen=True, config=_STRICT)
+class FaultToleranceSpec:
+    """Regions as torchft replica groups (training.quorum); see docs/fault-tolerance.md."""
+
+    lighthouse: str
+    """host:port the Lighthouse binds and every region dials (an overlay or loopback
+    address, never a hostname default)."""
+    min_replicas: Count
+    """Regions a quorum needs; fewer and the survivors stop (exit 3: whole-job restart)."""
+    store_port: Annotated[int, Field(ge=1, le=65535)] = 29600
+    """Region i's rendezvous store listens on its first node's host at store_port + i."""
+    join_timeout_s: Positive = 2.0
+    """How long the Lighthouse waits for every live region before it forms a smaller quorum."""
+    heartbeat_timeout_s: Positive = 5.0
+    """A region whose Manager is silent this long is left out of the next quorum."""
+    timeout_s: Positive = 30.0
+    """Cross-region collectives and heals: a dead peer fails the round after at most this."""
+    quorum_timeout_s: Positive = 120.0
+    """How long a region waits for a quorum (a DiLoCo region waits a whole merge interval)."""
+
+
+@dataclass(frozen=True, config=_STRICT)
 class LaunchSpec:
     run_id: str
     """Stable id of the run; bound into every payload and checkpoint."""
@@ -279,6 +300,8 @@ class LaunchSpec:
     """Bind address for metrics ('private' = the node's host)."""
     max_restarts: NonNegative = 3
     """Restarts after a worker dies."""
+    fault_tolerance: FaultToleranceSpec | None = None
+    """Regions drop and rejoin without a restart (training.quorum); None: off."""
     version: int = SPEC_VERSION
     """Spec format version."""
 
@@ -381,6 +404,30 @@ def listeners(spec: LaunchSpec) -> list[dict[str, Any]]:
                 host, port = metrics_endpoint(spec, n, i)
                 if port:
                     out.append({"service": "metrics", "bind": host, "port": port, "node": n.name})
+    return out + _quorum_listeners(spec)
+
+
+def _quorum_listeners(spec: LaunchSpec) -> list[dict[str, Any]]:
+    """fault_tolerance (training.quorum): the Lighthouse, each region's store, and per
+    worker its torchft ManagerServer and heal server (ephemeral ports, shown as 0)."""
+    ft = spec.fault_tolerance
+    if ft is None:
+        return []
+    host, _, port = ft.lighthouse.rpartition(":")
+    out: list[dict[str, Any]] = [{"service": "lighthouse", "bind": host, "port": int(port)}]
+    for i, r in enumerate(spec.regions):
+        first = r.nodes[0]
+        out.append(
+            {
+                "service": "region-store",
+                "bind": first.host,
+                "port": ft.store_port + i,
+                "node": first.name,
+            }
+        )
+        for n in r.nodes:
+            for service in ("torchft-manager", "heal"):
+                out.append({"service": service, "bind": n.host, "port": 0, "node": n.name})
     return out
 
 
@@ -394,6 +441,7 @@ _CLASSES: dict[str, type[Any]] = {
     "adaptive": AdaptiveSpec,
     "diloco": DilocoSpec,
     "checkpoint": CheckpointSpec,
+    "fault_tolerance": FaultToleranceSpec,
 }
 """The spec class a key path's last named key holds (top level: LaunchSpec)."""
 _FIX = "re-render it with `geotrain render --stack S --out DIR`"

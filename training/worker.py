@@ -609,6 +609,10 @@ def last_step(job: Job) -> Stop:
 def run(
     spec: LaunchSpec, node: str, local_rank: int, events: Path | None, run_dir: Path | None
 ) -> None:
+    if spec.fault_tolerance is not None:  # regions as torchft replica groups
+        from training import ft_loop
+
+        return ft_loop.run(spec, node, local_rank, events, run_dir)
     job = setup(spec, node, local_rank, events, run_dir)
     n_params = sum(p.numel() for p in job.model.parameters())
     session = job.sync.codec.session

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import re
 
+from infra.model import fault_tolerance
 from infra.model.gpus import GPU_TYPES
 from infra.model.schema import StackModel
 from infra.plan.names import WORKER_HOST_OFFSET, ifname
@@ -408,6 +409,7 @@ def _training(m: StackModel, source: str) -> None:
     _streaming(m, source)
     _secure_aggregation(m, source)
     _adaptive(m, source)
+    fault_tolerance.check(m, source)
 
 
 def _adaptive(m: StackModel, source: str) -> None:

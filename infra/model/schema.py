@@ -12,6 +12,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from infra.model.fault_tolerance import FaultTolerance
+
 NAME_PATTERN = r"^[a-z][a-z0-9-]{0,30}[a-z0-9]$"
 Jurisdiction = Literal["CN", "EU", "US", "UK", "JP", "KR", "SG", "IN", "CA", "AU", "BR", "CH"]
 PoolKind = Literal["local", "lab", "ssh", "kubernetes", "aws", "alicloud", "gcp"]
@@ -376,6 +378,8 @@ class Training(Strict):
     rank (global batch kept) so no region waits at the sync (training.balance)."""
     balance_steps: int = Field(default=5, ge=1, le=1000)
     """Steps measured (after the first) before the throughput balance assigns batches."""
+    fault_tolerance: FaultTolerance | None = None
+    """Regions drop and rejoin without a restart (torchft quorum; None: off)."""
 
 
 Severity = Literal["critical", "warning"]

@@ -3,6 +3,7 @@ manifests: infra/render/k8s.py)."""
 
 from __future__ import annotations
 
+from infra.model.fault_tolerance import lighthouse_node
 from infra.model.schema import Adaptive, Privacy
 from infra.plan import Plan, PlanNode
 from training.spec import (
@@ -10,6 +11,7 @@ from training.spec import (
     CheckpointSpec,
     CodecSpec,
     DilocoSpec,
+    FaultToleranceSpec,
     LaunchSpec,
     NodeSpec,
     PrivacySpec,
@@ -100,6 +102,25 @@ def render_launch_spec(plan: Plan) -> LaunchSpec:
         metrics_port=mon.metrics_port,
         metrics_bind="private" if mon.bind_address == "private" else mon.bind_address,
         max_restarts=t.max_restarts,
+        fault_tolerance=_fault_tolerance(plan),
+    )
+
+
+def _fault_tolerance(plan: Plan) -> FaultToleranceSpec | None:
+    """The Lighthouse advertised on its node's private address (never a hostname)."""
+    ft = plan.model.training.fault_tolerance
+    if ft is None:
+        return None
+    i, j = lighthouse_node(plan.model)
+    host = plan.regions[i].nodes[j].private_ip
+    return FaultToleranceSpec(
+        lighthouse=f"{host}:{ft.port}",
+        min_replicas=ft.replicas(len(plan.regions)),
+        store_port=ft.store_port,
+        join_timeout_s=ft.join_timeout_s,
+        heartbeat_timeout_s=ft.heartbeat_timeout_s,
+        timeout_s=ft.timeout_s,
+        quorum_timeout_s=ft.quorum_timeout_s,
     )
 
 

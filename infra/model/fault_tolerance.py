@@ -1,0 +1,123 @@
+"""`geotrain:training.fault_tolerance`: regions as torchft replica groups (training.quorum).
+
+The stack places the Lighthouse on a region (its first node) or on a named node, and the
+plan advertises it on that node's private (overlay) address; the launch spec carries the
+resolved `host:port` (infra.render.runtime)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from training.errors import ConfigError
+
+if TYPE_CHECKING:
+    from infra.model.schema import StackModel
+
+
+class FaultTolerance(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    lighthouse: str
+    """Region (its first node) or node that runs the Lighthouse; a neutral host is a
+    region of its own."""
+    min_replicas: int | None = Field(default=None, ge=1)
+    """Regions a quorum needs (default: a majority); fewer and the job restarts."""
+    port: int = Field(default=29510, ge=1024, le=65000)
+    """Port of the Lighthouse on its node."""
+    store_port: int = Field(default=29520, ge=1024, le=65000)
+    """Region i's rendezvous store listens on its first node at store_port + i."""
+    heartbeat_timeout_s: float = Field(default=5.0, gt=0)
+    """A region silent this long is left out of the next quorum."""
+    join_timeout_s: float = Field(default=2.0, gt=0)
+    """How long the Lighthouse waits for every live region before a smaller quorum."""
+    timeout_s: float = Field(default=30.0, gt=0)
+    """Cross-region collectives and heals: a dead peer fails a round after at most this."""
+    quorum_timeout_s: float = Field(default=600.0, gt=0)
+    """How long a region waits for a quorum; with diloco, longer than a merge interval."""
+
+    def replicas(self, regions: int) -> int:
+        """min_replicas, or a majority of `regions`."""
+        return self.min_replicas if self.min_replicas is not None else regions // 2 + 1
+
+
+def lighthouse_node(m: StackModel) -> tuple[int, int]:
+    """(region index, node index) the Lighthouse runs on."""
+    ft = m.training.fault_tolerance
+    assert ft is not None
+    for i, r in enumerate(m.regions):
+        if r.name == ft.lighthouse:
+            return i, 0
+        for j, n in enumerate(r.pool.nodes):
+            if n.name == ft.lighthouse:
+                return i, j
+    raise KeyError(ft.lighthouse)
+
+
+def check(m: StackModel, source: str) -> None:
+    """ConfigErrors for `training.fault_tolerance` (nothing when it is off)."""
+    ft = m.training.fault_tolerance
+    if ft is None:
+        return
+    where = "geotrain:training.fault_tolerance"
+    R = len(m.regions)
+    names = [r.name for r in m.regions] + [n.name for r in m.regions for n in r.pool.nodes]
+    if ft.lighthouse not in names:
+        raise ConfigError(
+            source,
+            f"{where}.lighthouse",
+            f"'{ft.lighthouse}' is no region or node; use one of {', '.join(names)}",
+        )
+    if ft.replicas(R) > R:
+        raise ConfigError(
+            source,
+            f"{where}.min_replicas",
+            f"{ft.min_replicas} exceeds the stack's {R} "
+            f"regions; use {R // 2 + 1} (a majority) or leave it unset",
+        )
+    stores = range(ft.store_port, ft.store_port + R)
+    if ft.port in stores or m.training.rendezvous_port in stores:
+        raise ConfigError(
+            source,
+            f"{where}.store_port",
+            f"ports {stores.start}-{stores.stop - 1} (one per "
+            "region) overlap the lighthouse or rendezvous port; move store_port",
+        )
+    if ft.quorum_timeout_s <= ft.heartbeat_timeout_s:
+        raise ConfigError(
+            source,
+            f"{where}.quorum_timeout_s",
+            f"{ft.quorum_timeout_s:g} must exceed heartbeat_timeout_s "
+            f"{ft.heartbeat_timeout_s:g} (a restarted job waits for stale members to expire)",
+        )
+    t = m.training
+    unsupported = {
+        "training.compression.secure_aggregation": t.compression.secure_aggregation,
+        "regions[].privacy": any(r.privacy for r in m.regions),
+        "training.diloco.interval_minutes": t.sync == "diloco" and t.diloco.interval_minutes,
+    }
+    for key, on in unsupported.items():
+        if on:
+            raise ConfigError(
+                source,
+                where,
+                f"cannot be combined with {key} yet (its rounds are agreed by "
+                "every region at once); turn one of them off",
+            )
+    sizes = {sum(n.gpus for n in r.pool.nodes) for r in m.regions}
+    later = {  # built on the same main loop, not yet on the quorum loop (training.ft_loop)
+        "training.diloco.fragments/tau (streaming DiLoCo)": t.sync == "diloco"
+        and (t.diloco.fragments > 1 or t.diloco.tau > 0),
+        "training.compression.adaptive": t.compression.adaptive is not None,
+        "training.balance: throughput": t.balance == "throughput",
+        "regions of different worker counts": len(sizes) > 1,
+    }
+    for key, on in later.items():
+        if on:
+            raise ConfigError(
+                source,
+                where,
+                f"cannot be combined with {key} yet (the quorum loop does not run it); "
+                "turn one of them off",
+            )

@@ -1,0 +1,123 @@
+"""A region drops and training goes on (training.quorum, torchft): regions of one rank each
+on loopback, a Lighthouse in the test process, workers killed with -9 and restarted."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from training.ft_testing import RegionRun, done_of, steps_of
+from training.spec import DilocoSpec
+
+_steps, _done = steps_of, done_of
+
+
+def _wildcard_listeners(pids: list[int]) -> list[str]:
+    """TCP listeners of `pids` on every interface (0.0.0.0, ::, *): the ManagerServer, heal
+    server, stores and gloo groups must each bind the node's address."""
+    out = subprocess.run(["ss", "-Hltnp"], capture_output=True, text=True, check=True).stdout
+    mine = [line for line in out.splitlines() if any(f"pid={p}," in line for p in pids)]
+    assert mine, out  # the workers' listeners are visible at all
+    return [line for line in mine if re.search(r"\s(0\.0\.0\.0|\[::\]|\*):\d+\s", line)]
+
+
+@pytest.fixture
+def run_factory(tmp_path: Path) -> Any:
+    runs: list[RegionRun] = []
+
+    def make(**kw: Any) -> RegionRun:
+        runs.append(RegionRun(tmp_path, **kw))
+        return runs[-1]
+
+    yield make
+    for r in runs:
+        r.close()
+
+
+def _after_exclusion(log: list[dict[str, Any]]) -> int:
+    """Steps the survivor committed after a quorum that left frankfurt out."""
+    at = [i for i, e in enumerate(log) if e["event"] == "quorum" and e["excluded"] == ["frankfurt"]]
+    return len(_steps(log[at[-1] :])) if at else 0
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("sync", ["allreduce", "diloco"])
+def test_a_region_killed_mid_run_is_left_out_then_heals_and_ends_bitwise_equal(
+    run_factory: Any, sync: str
+) -> None:
+    steps = 16
+    kw: dict[str, Any] = {"sync": sync}
+    if sync == "diloco":
+        kw["diloco"] = DilocoSpec(every_steps=3, outer_lr=0.7)
+    run = run_factory(regions=2, steps=steps, min_replicas=1, **kw)
+    for r in (0, 1):
+        run.start(r)
+    run.wait("both regions at step 5", lambda: min(len(_steps(run.log(r))) for r in (0, 1)) >= 5)
+    assert _wildcard_listeners([p.pid for p in run.procs.values()]) == []
+    os.kill(run.procs[1].pid, signal.SIGKILL)
+    run.procs.pop(1).join()
+    run.wait("steps without frankfurt", lambda: _after_exclusion(run.log(0)) >= 3)
+    # hold the survivor while the region restarts (a process start takes seconds; the
+    # survivor would finish first), then let both meet at the Lighthouse
+    os.kill(run.procs[0].pid, signal.SIGSTOP)
+    try:
+        run.start(1)
+        run.wait("frankfurt back", lambda: [e["event"] for e in run.log(1)].count("start") == 2)
+    finally:
+        os.kill(run.procs[0].pid, signal.SIGCONT)
+    done = lambda: all(any(e["event"] == "done" for e in run.log(r)) for r in (0, 1))  # noqa: E731
+    run.wait("both regions done", done)
+    survivor, log1 = run.log(0), run.log(1)
+    back = log1[[i for i, e in enumerate(log1) if e["event"] == "start"][1] :]
+    # the survivor never restarted and lost no step
+    assert [e["event"] for e in survivor].count("start") == 1
+    s = _steps(survivor)
+    assert s == list(range(s[0], steps + 1))
+    # the returning region healed from its peer, then both ended on the same weights
+    assert [e["phase"] for e in back if e["event"] == "healed"] == [
+        "merge" if sync == "diloco" else "step"
+    ]
+    quorums = [e for e in survivor if e["event"] == "quorum"]
+    assert quorums[-1]["members"] == ["beijing", "frankfurt"]
+    assert _done(survivor)["digest"] == _done(back)["digest"]
+    assert _done(survivor)["step"] == _done(back)["step"] == steps
+
+
+@pytest.mark.timeout(150)
+def test_losing_the_majority_stops_the_survivor_and_the_job_resumes_from_checkpoints(
+    run_factory: Any,
+) -> None:
+    steps = 9
+    run = run_factory(
+        regions=2,
+        steps=steps,
+        min_replicas=2,
+        quorum_timeout_s=20.0,  # > heartbeat_timeout_s: a stale member must expire first
+        checkpoint_every=3,
+    )
+    for r in (0, 1):
+        run.start(r)
+    run.wait("a committed checkpoint", lambda: any(e["event"] == "committed" for e in run.log(0)))
+    run.wait("both regions at step 5", lambda: min(len(_steps(run.log(r))) for r in (0, 1)) >= 5)
+    os.kill(run.procs[1].pid, signal.SIGKILL)
+    run.procs.pop(1).join()
+    survivor = run.procs.pop(0)
+    survivor.join(timeout=60)
+    assert survivor.exitcode == 3  # QuorumLost: the launcher restarts the whole job
+    assert "no quorum of 2 regions" in (run.tmp / "err0.log").read_text()
+    for r in (0, 1):  # the whole job, as a launcher restarts it
+        run.start(r)
+    done = lambda: all(any(e["event"] == "done" for e in run.log(r)) for r in (0, 1))  # noqa: E731
+    run.wait("both regions done", done)
+    logs = [run.log(r) for r in (0, 1)]
+    for log in logs:
+        assert [e["event"] for e in log].count("start") == 2
+        assert next(e["step"] for e in log if e["event"] == "resume") % 3 == 0
+    assert _done(logs[0])["digest"] == _done(logs[1])["digest"]
+    assert _done(logs[0])["step"] == steps

@@ -1,0 +1,96 @@
+"""The launcher's worker group under fault_tolerance (training.quorum): a region whose
+worker dies is restarted alone while the others train on.
+
+`training.launch.run_group` stops every worker on the first failure (a collective cannot
+finish without it). With regions as replica groups, only the failed worker's region is
+stopped and started again (up to `max_restarts` times per region); it rejoins and heals
+from a live peer. Exit 2 (bad input, a hostile reject) and 3 (QuorumLost: the majority
+is gone) still end the attempt for the whole group, which then restarts from the
+checkpoints as before.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from training import launch
+from training.spec import LaunchSpec, NodeSpec
+
+WHOLE_GROUP = (2, 3)
+"""Exit codes that end the attempt of every region (bad input or hostile; QuorumLost)."""
+FINISH_GRACE_S = 30.0
+"""Once a region finished the run, the others get this long to finish too. A region that
+is still running after it, or fails, came back too late to rejoin (nobody is left to heal
+from): it is stopped rather than restarted, and the run is done."""
+
+
+def run_regions(
+    spec: LaunchSpec,
+    spec_path: Path,
+    nodes: list[NodeSpec],
+    env: dict[str, str],
+    log_dir: Path,
+    on_poll: Callable[[], None] | None = None,
+) -> launch.Attempt:
+    log_dir.mkdir(parents=True, exist_ok=True)
+    regions: dict[str, list[NodeSpec]] = {}
+    for n in nodes:
+        regions.setdefault(spec.node(n.name)[0].name, []).append(n)
+    procs = {r: _start(spec_path, ns, env, log_dir) for r, ns in regions.items()}
+    restarts = dict.fromkeys(regions, 0)
+    t0 = time.monotonic()
+    ended: float | None = None
+    try:
+        while True:
+            if on_poll:
+                on_poll()
+            if ended is None and any(_finished(ps) for ps in procs.values()):
+                ended = time.monotonic()
+            if ended is not None and (
+                time.monotonic() - ended > FINISH_GRACE_S
+                or all(p.poll() is not None for ps in procs.values() for p in ps.values())
+            ):
+                return launch.Attempt(0, None, time.monotonic() - t0)
+            for r, ps in procs.items():
+                failed = _failed(ps)
+                if failed is None or ended is not None:
+                    continue
+                who, rc = failed
+                if rc in WHOLE_GROUP or restarts[r] >= spec.max_restarts:
+                    return launch.Attempt(rc, who, time.monotonic() - t0)
+                launch._stop(ps.values())  # the region's other ranks cannot go on alone
+                restarts[r] += 1
+                procs[r] = _start(spec_path, regions[r], env, log_dir)
+            if all(p.poll() == 0 for ps in procs.values() for p in ps.values()):
+                return launch.Attempt(0, None, time.monotonic() - t0)
+            time.sleep(launch.POLL_S)
+    finally:
+        for ps in procs.values():
+            launch._stop(ps.values())
+
+
+def _start(
+    spec_path: Path, nodes: list[NodeSpec], env: dict[str, str], log_dir: Path
+) -> dict[str, subprocess.Popen[bytes]]:
+    return {
+        f"{n.name}/{i}": launch.spawn(
+            launch.worker_command(spec_path, n, i), env, log_dir / f"{n.name}-{i}.log"
+        )
+        for n in nodes
+        for i in range(n.nprocs)
+    }
+
+
+def _finished(procs: dict[str, subprocess.Popen[bytes]]) -> bool:
+    return all(p.poll() == 0 for p in procs.values())
+
+
+def _failed(procs: dict[str, subprocess.Popen[bytes]]) -> tuple[str, int] | None:
+    for k, p in procs.items():
+        rc = p.poll()
+        if rc is not None and rc != 0:
+            return k, rc
+    return None
