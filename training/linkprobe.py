@@ -104,17 +104,17 @@ class LinkMonitor:
     def _probe(self, peer: int, first: bool) -> tuple[float, float]:
         """(bandwidth bytes/s, rtt s) of the link to region `peer`; `first`: this side
         pings (the other answers)."""
-        dst = self.topo.peer_ranks(0)[peer]
+        dst = peer  # region j is rank j of a cross group (and of a quorum's group)
         ping = torch.zeros(8, dtype=torch.uint8)
         rtts = []
         for _ in range(PROBE_PINGS):
             t0 = time.perf_counter()
             if first:
-                dist.send(ping, dst, group=self.group)
-                dist.recv(ping, dst, group=self.group)
+                dist.send(ping, group=self.group, group_dst=dst)
+                dist.recv(ping, group=self.group, group_src=dst)
             else:
-                dist.recv(ping, dst, group=self.group)
-                dist.send(ping, dst, group=self.group)
+                dist.recv(ping, group=self.group, group_src=dst)
+                dist.send(ping, group=self.group, group_dst=dst)
             rtts.append(time.perf_counter() - t0)
         rtt = min(rtts) if first else min(rtts[1:] or rtts)  # the answerer's first waits
         out = torch.zeros(PROBE_BYTES, dtype=torch.uint8)
@@ -133,16 +133,15 @@ class LinkMonitor:
         """payloads[j] to region j of the cross group; returns what each region sent to
         me (b"" from myself), timing every receive into its link's estimate."""
         R, me = self.topo.regions, self.topo.region_index
-        peers = self.topo.peer_ranks(self.topo.local_rank)
         sizes = torch.tensor([len(p) for p in payloads], dtype=torch.int64)
         got = torch.empty(R, dtype=torch.int64)
         dist.all_to_all_single(got, sizes, group=self.group)
         n = got.tolist()
         bufs = {i: torch.empty(n[i], dtype=torch.uint8) for i in range(R) if i != me and n[i]}
         t0 = time.perf_counter()
-        recvs = {i: _irecv(b, peers[i], self.group) for i, b in bufs.items()}
+        recvs = {i: _irecv(b, i, self.group) for i, b in bufs.items()}
         sends = [
-            _isend(torch.frombuffer(bytearray(p), dtype=torch.uint8), peers[j], self.group)
+            _isend(torch.frombuffer(bytearray(p), dtype=torch.uint8), j, self.group)
             for j, p in enumerate(payloads)
             if j != me and p
         ]
@@ -170,13 +169,15 @@ class LinkMonitor:
 
 
 def _irecv(buf: torch.Tensor, src: int, group: Any) -> Any:
-    work = dist.irecv(buf, src, group=group)
+    """From rank `src` of `group`: group ranks, so groups that c10d did not create (a
+    torchft quorum's) need no translation from global ranks."""
+    work = dist.irecv(buf, group=group, group_src=src)
     assert work is not None  # None only for a rank outside the group
     return work
 
 
 def _isend(buf: torch.Tensor, dst: int, group: Any) -> Any:
-    work = dist.isend(buf, dst, group=group)
+    work = dist.isend(buf, group=group, group_dst=dst)
     assert work is not None  # None only for a rank outside the group
     return work
 

@@ -437,12 +437,13 @@ def merge(job: Job, due: bool, settle: bool) -> bool:
     d = job.diloco
     if d is None:
         return False
-    with balance.merging(job.balance, job.sync, job.step, job.spec.diloco.warmup_steps):
-        # the region's pseudo-gradient, for the ledger
+    done = []
+    if due:  # the region's pseudo-gradient, for the ledger
         hasher = functools.partial(ledger_hooks.hasher, job)
-        done = d.advance(job.step, job.spec.steps, hasher) if due else []
-        if settle:
-            done += d.settle()
+        with balance.merging(job.balance, job.sync, job.step, job.spec.diloco.warmup_steps):
+            done = d.advance(job.step, job.spec.steps, hasher)
+    if settle:  # only streaming has merges in flight, and it runs without a balance
+        done += d.settle()
     for pg in done:
         ledger_hooks.merged(job, pg)  # type: ignore[arg-type]  # the hashers made above
         job.metrics.merges.inc()
