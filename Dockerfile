@@ -27,7 +27,7 @@ RUN case "$VARIANT" in \
     esac
 # the runtime's own dependencies (pyproject.toml's, less the Pulumi ones pods never import)
 RUN pip install "numpy>=1.26" "zstandard>=0.22" "cryptography>=44" "prometheus-client>=0.20" \
-      "pydantic>=2.6" "pyyaml>=6" "click>=8.1" "rich>=13.7" "opacus>=1.6"
+      "pydantic>=2.6" "pyyaml>=6" "click>=8.1" "rich>=13.7" "opacus>=1.6" "torchft>=0.2.0"
 COPY pyproject.toml README.md /src/
 COPY training /src/training
 COPY geotrain /src/geotrain

@@ -112,6 +112,9 @@ def check(m: StackModel, source: str) -> None:
         "training.compression.adaptive": t.compression.adaptive is not None,
         "training.balance: throughput": t.balance == "throughput",
         "regions of different worker counts": len(sizes) > 1,
+        "kubernetes pools (no Lighthouse or per-region restart is rendered for pods)": any(
+            r.pool.kind == "kubernetes" for r in m.regions
+        ),
     }
     for key, on in later.items():
         if on:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import socket
 import sys
 from dataclasses import replace
@@ -115,6 +116,25 @@ def test_a_lighthouse_on_an_unknown_place_or_too_many_replicas_is_a_config_error
         load_stack(str(_stack(tmp_path, lighthouse="mars")))
     with pytest.raises(ConfigError, match=r"min_replicas: 9 exceeds the stack's 3 regions; use 2"):
         load_stack(str(_stack(tmp_path, lighthouse="beijing", min_replicas=9)))
+
+
+@pytest.mark.parametrize(
+    ("training", "words"),
+    [
+        ({"sync": "diloco", "diloco": {"inner_steps": 4, "tau": 1}}, "streaming DiLoCo"),
+        ({"compression": {"quantize": "int8", "adaptive": {}}}, "compression.adaptive"),
+        ({"balance": "throughput"}, "balance: throughput"),
+    ],
+)
+def test_settings_only_the_main_loop_runs_are_refused_with_fault_tolerance(
+    tmp_path: Path, training: dict[str, Any], words: str
+) -> None:
+    path = _stack(tmp_path, lighthouse="beijing")
+    doc = yaml.safe_load(path.read_text())
+    doc["config"]["geotrain:training"].update(training)
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    with pytest.raises(ConfigError, match=f"cannot be combined with .*{re.escape(words)}"):
+        load_stack(str(path))
 
 
 def test_the_launcher_of_the_lighthouse_node_hosts_it_and_no_other_launcher_does() -> None:
