@@ -4,13 +4,16 @@ its tunnels shaped to the stack's 50 Mbit/s and delayed by each link's latency.
 Utilisation is the time a rank spends in forward, backward and the optimizer step (the
 step event's `compute_s`) over the wall time from its first step's start to its last
 step's end, per region leader; the table gives the median over regions. Every mode runs
-the same steps and batch on the lab stack's model (equal tokens):
+the lab stack's model and batch; utilisation is a rate, so per-step all-reduce runs fewer
+steps (each costs several round trips over 60-90 ms links) than the DiLoCo modes, which
+need enough steps for several merges:
 - allreduce int8: every step's gradient crosses the WAN;
 - diloco H=50 int4: a merge every 50 steps;
 - streaming diloco H=50 int4 (fragments, tau): each fragment's merge overlaps tau inner
   steps, when the runtime has the settings (`geotrain validate` accepts them).
 
-Run: sudo .venv/bin/python benchmarks/lab_utilisation.py [--steps 150]. Prints a table
+Run: sudo .venv/bin/python benchmarks/lab_utilisation.py [--steps 150] [--allreduce-steps
+20]. Prints a table
 and writes it as the "Compute utilisation" section of benchmarks/results/lab_network.md
 (the rest of that file, from benchmarks/lab_network.py, is kept).
 """
@@ -36,9 +39,9 @@ INT4 = {"quantize": "int4", "zstd_level": 1, "cipher": "sm4-gcm"}
 MODES: dict[str, dict[str, Any]] = {
     "allreduce int8": {"sync": "allreduce"},
     "diloco H=50 int4": {"sync": "diloco", "diloco": {"inner_steps": 50}, "compression": INT4},
-    "streaming diloco H=50 int4, 5 fragments, tau 5": {
+    "streaming diloco H=50 int4, 3 fragments, tau 5": {
         "sync": "diloco",
-        "diloco": {"inner_steps": 50, "fragments": 5, "tau": 5},
+        "diloco": {"inner_steps": 50, "fragments": 3, "tau": 5},
         "compression": INT4,
     },
 }
@@ -63,8 +66,8 @@ def run_mode(doc: dict[str, Any], settings: dict[str, Any], steps: int) -> dict[
         if ok.returncode != 0:
             return {"skipped": (ok.stdout + ok.stderr).strip().splitlines()[-1]}
         r = _geotrain("train", "--stack", "Pulumi.lab.yaml", cwd=cwd)
-        if r.returncode != 0:
-            raise SystemExit(f"training failed:\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}")
+        if r.returncode != 0:  # the other modes' rows still count
+            return {"skipped": "failed: " + (r.stdout + r.stderr).strip().splitlines()[-1]}
         lines = (cwd / ".geotrain/lab/events.jsonl").read_text().splitlines()
     events = [json.loads(x) for x in lines if x.endswith("}")]
     steps_ev = [e for e in events if e["event"] == "step"]
@@ -82,12 +85,14 @@ def run_mode(doc: dict[str, Any], settings: dict[str, Any], steps: int) -> dict[
         "sync_s": statistics.median(sync.values()),
         "wall_s": wall_s,
         "cross_mb": sum(wire.values()) / 1e6,
+        "steps": steps,
     }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--steps", type=int, default=150)
+    ap.add_argument("--steps", type=int, default=150, help="steps of the DiLoCo modes")
+    ap.add_argument("--allreduce-steps", type=int, default=20, help="steps of allreduce")
     a = ap.parse_args()
     sys.path.insert(0, str(ROOT))
     sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -104,21 +109,26 @@ def main() -> None:
     lab.lab_up(plan, state)
     try:
         rtts = round_trips(plan)
-        results = {name: run_mode(doc, s, a.steps) for name, s in MODES.items()}
+        results = {
+            name: run_mode(doc, s, a.allreduce_steps if s["sync"] == "allreduce" else a.steps)
+            for name, s in MODES.items()
+        }
     finally:
         lab.lab_down(plan, state)
     mbps = plan.tunnels[0].bandwidth_mbps
     lines = [
         f"{SECTION} at {mbps} Mbit/s (issue #16)",
         "",
-        f"`geotrain train --stack lab`, {a.steps} steps of the lab stack's model and batch "
-        "for every mode (equal tokens), 3 regions x 2 ranks. Utilisation: time in forward, "
+        f"`geotrain train --stack lab`, the lab stack's model and batch, 3 regions x 2 ranks; "
+        f"{a.allreduce_steps} steps of allreduce, {a.steps} of each DiLoCo mode (a rate: "
+        "utilisation does not need equal tokens). Utilisation: time in forward, "
         "backward and optimizer over wall time, median over the regions' leaders "
         "(benchmarks/lab_utilisation.py). Round trips over the overlay: "
         + ", ".join(f"{k} {v * 1000:.0f} ms" for k, v in rtts.items())
         + ".",
         "",
-        "| mode | utilisation | per region | sync per step (s) | wall (s) | cross-region MB |",
+        "| mode | utilisation | per region | sync per step (s) | wall per step (s) | "
+        "cross-region MB per step |",
         "|---|---|---|---|---|---|",
     ]
     for name, r in results.items():
@@ -128,14 +138,17 @@ def main() -> None:
         per = ", ".join(f"{k} {v:.0%}" for k, v in r["per_region"].items())
         lines.append(
             f"| {name} | {r['utilisation']:.0%} | {per} | {r['sync_s']:.3f} | "
-            f"{r['wall_s']:.1f} | {r['cross_mb']:.1f} |"
+            f"{r['wall_s'] / r['steps']:.2f} | {r['cross_mb'] / r['steps']:.2f} |"
         )
     lines += [
         "",
         "Six workers, userspace wireguard-go, FRR and the latency relays share this "
-        "machine's 2 cores: compute itself runs slower than on hosts with a core per rank, "
-        "which raises utilisation for a fixed link; the comparison between modes is the "
-        "result.",
+        "machine's 2 cores. Per-step all-reduce is bound by the links' round trips (several "
+        "per bucket and stage over 120-280 ms paths). In the DiLoCo modes the rest of a "
+        "step is spent inside the region (the gradient all-reduce between its two ranks, "
+        "data, the step report), all CPU-bound here: hosts with a core per rank and "
+        "kernel WireGuard are needed to show the 90% the issue targets. The comparison "
+        "between modes is the result.",
     ]
     section = "\n".join(lines) + "\n"
     print(section)
