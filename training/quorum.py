@@ -113,6 +113,19 @@ def validate(spec: LaunchSpec) -> FaultToleranceSpec:
                 f"fault_tolerance cannot be combined with {key} yet (its rounds are agreed "
                 "by every region at once); turn one of them off"
             )
+    sizes = {sum(n.nprocs for n in r.nodes) for r in spec.regions}
+    later = {  # the main loop runs these; the quorum loop (training.ft_loop) not yet
+        "diloco.fragments/tau (streaming DiLoCo)": spec.sync == "diloco" and spec.diloco.streaming,
+        "codec.adaptive": spec.codec.adaptive is not None,
+        "balance: throughput": spec.balance == "throughput",
+        "regions of different worker counts": len(sizes) > 1,
+    }
+    for key, on in later.items():
+        if on:
+            raise SpecError(
+                f"fault_tolerance cannot be combined with {key} yet (the quorum loop does "
+                "not run it); turn one of them off"
+            )
     return ft
 
 

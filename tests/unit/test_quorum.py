@@ -28,7 +28,7 @@ from training.ft_launch import run_regions
 from training.heal import SealedTransport, seal, unseal
 from training.metrics import RuntimeMetrics
 from training.quorum import lighthouse_for, validate, view
-from training.spec import CodecSpec, FaultToleranceSpec, LaunchSpec, listeners
+from training.spec import AdaptiveSpec, CodecSpec, FaultToleranceSpec, LaunchSpec, listeners
 from training.testing import make_spec
 from training.topology import Topology
 
@@ -40,6 +40,11 @@ def test_min_replicas_outside_the_regions_is_refused_with_the_majority_as_fix() 
     with pytest.raises(SpecError, match=r"min_replicas 4 is outside 1..3.*use 2"):
         validate(make_spec(3, 1, fault_tolerance=replace(FT, min_replicas=4)))
     assert validate(make_spec(3, 1, fault_tolerance=FT)) == FT
+
+
+def test_a_spec_with_a_setting_only_the_main_loop_runs_is_refused() -> None:
+    with pytest.raises(SpecError, match=r"codec.adaptive yet"):
+        validate(make_spec(3, 1, fault_tolerance=FT, codec=CodecSpec(adaptive=AdaptiveSpec())))
 
 
 def test_a_lighthouse_without_a_port_and_secure_aggregation_are_refused() -> None:
