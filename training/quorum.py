@@ -68,7 +68,7 @@ from training.heal import SealedTransport
 from training.hier import HierarchicalAllReduce, SyncStats
 from training.secagg import all_to_all_bytes
 from training.session import Session, derive, rendezvous_store, run_tag
-from training.spec import FaultToleranceSpec, LaunchSpec
+from training.spec import FaultToleranceSpec, LaunchSpec, fault_tolerance_conflict
 from training.topology import Groups, Topology
 
 T = TypeVar("T")
@@ -102,30 +102,17 @@ def validate(spec: LaunchSpec) -> FaultToleranceSpec:
             f"heartbeat_timeout_s {ft.heartbeat_timeout_s:g}: a restarted job waits for the "
             "Lighthouse to forget the members of the attempt before"
         )
-    unsupported = {
-        "codec.secure_aggregation": spec.codec.secure_aggregation,
-        "regions[].privacy": any(r.privacy for r in spec.regions),
-        "diloco.interval_minutes": spec.sync == "diloco" and spec.diloco.interval_minutes,
-    }
-    for key, on in unsupported.items():
-        if on:
-            raise SpecError(
-                f"fault_tolerance cannot be combined with {key} yet (its rounds are agreed "
-                "by every region at once); turn one of them off"
-            )
-    sizes = {sum(n.nprocs for n in r.nodes) for r in spec.regions}
-    later = {  # the main loop runs these; the quorum loop (training.ft_loop) not yet
-        "diloco.fragments/tau (streaming DiLoCo)": spec.sync == "diloco" and spec.diloco.streaming,
-        "codec.adaptive": spec.codec.adaptive is not None,
-        "balance: throughput": spec.balance == "throughput",
-        "regions of different worker counts": len(sizes) > 1,
-    }
-    for key, on in later.items():
-        if on:
-            raise SpecError(
-                f"fault_tolerance cannot be combined with {key} yet (the quorum loop does "
-                "not run it); turn one of them off"
-            )
+    conflict = fault_tolerance_conflict(
+        secure_aggregation=spec.codec.secure_aggregation,
+        privacy=any(r.privacy for r in spec.regions),
+        timed_merges=spec.sync == "diloco" and spec.diloco.interval_minutes is not None,
+        streaming=spec.sync == "diloco" and spec.diloco.streaming,
+        adaptive=spec.codec.adaptive is not None,
+        balance=spec.balance == "throughput",
+        uneven=len({sum(n.nprocs for n in r.nodes) for r in spec.regions}) > 1,
+    )
+    if conflict:
+        raise SpecError(f"fault_tolerance {conflict}")
     return ft
 
 

@@ -407,6 +407,42 @@ def listeners(spec: LaunchSpec) -> list[dict[str, Any]]:
     return out + _quorum_listeners(spec)
 
 
+def fault_tolerance_conflict(
+    *,
+    secure_aggregation: bool,
+    privacy: bool,
+    timed_merges: bool,
+    streaming: bool,
+    adaptive: bool,
+    balance: bool,
+    uneven: bool,
+    kubernetes: bool = False,
+) -> str | None:
+    """Why fault_tolerance cannot run with the rest of a stack or spec (None: it can); the
+    stack check (infra.model.fault_tolerance) and the spec's (training.quorum) share it."""
+    agreed = {  # rounds every region agrees at once
+        "secure_aggregation": secure_aggregation,
+        "privacy": privacy,
+        "diloco.interval_minutes": timed_merges,
+    }
+    later = {  # what the main loop runs and the quorum loop (training.ft_loop) not yet
+        "diloco.fragments/tau (streaming DiLoCo)": streaming,
+        "compression.adaptive": adaptive,
+        "balance: throughput": balance,
+        "regions of different worker counts": uneven,
+        "kubernetes pools (no Lighthouse or per-region restart is rendered for pods)": (kubernetes),
+    }
+    for key, on in agreed.items():
+        if on:
+            why = "its rounds are agreed by every region at once"
+            return f"cannot be combined with {key} yet ({why}); turn one of them off"
+    for key, on in later.items():
+        if on:
+            why = "the quorum loop does not run it"
+            return f"cannot be combined with {key} yet ({why}); turn one of them off"
+    return None
+
+
 def _quorum_listeners(spec: LaunchSpec) -> list[dict[str, Any]]:
     """fault_tolerance (training.quorum): the Lighthouse, each region's store, and per
     worker its torchft ManagerServer and heal server (ephemeral ports, shown as 0)."""

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 from pydantic import BaseModel, ConfigDict, Field
 
 from training.errors import ConfigError
+from training.spec import fault_tolerance_conflict
 
 if TYPE_CHECKING:
     from infra.model.schema import StackModel
@@ -92,35 +93,15 @@ def check(m: StackModel, source: str) -> None:
             f"{ft.heartbeat_timeout_s:g} (a restarted job waits for stale members to expire)",
         )
     t = m.training
-    unsupported = {
-        "training.compression.secure_aggregation": t.compression.secure_aggregation,
-        "regions[].privacy": any(r.privacy for r in m.regions),
-        "training.diloco.interval_minutes": t.sync == "diloco" and t.diloco.interval_minutes,
-    }
-    for key, on in unsupported.items():
-        if on:
-            raise ConfigError(
-                source,
-                where,
-                f"cannot be combined with {key} yet (its rounds are agreed by "
-                "every region at once); turn one of them off",
-            )
-    sizes = {sum(n.gpus for n in r.pool.nodes) for r in m.regions}
-    later = {  # built on the same main loop, not yet on the quorum loop (training.ft_loop)
-        "training.diloco.fragments/tau (streaming DiLoCo)": t.sync == "diloco"
-        and (t.diloco.fragments > 1 or t.diloco.tau > 0),
-        "training.compression.adaptive": t.compression.adaptive is not None,
-        "training.balance: throughput": t.balance == "throughput",
-        "regions of different worker counts": len(sizes) > 1,
-        "kubernetes pools (no Lighthouse or per-region restart is rendered for pods)": any(
-            r.pool.kind == "kubernetes" for r in m.regions
-        ),
-    }
-    for key, on in later.items():
-        if on:
-            raise ConfigError(
-                source,
-                where,
-                f"cannot be combined with {key} yet (the quorum loop does not run it); "
-                "turn one of them off",
-            )
+    conflict = fault_tolerance_conflict(
+        secure_aggregation=t.compression.secure_aggregation,
+        privacy=any(r.privacy for r in m.regions),
+        timed_merges=t.sync == "diloco" and t.diloco.interval_minutes is not None,
+        streaming=t.sync == "diloco" and (t.diloco.fragments > 1 or t.diloco.tau > 0),
+        adaptive=t.compression.adaptive is not None,
+        balance=t.balance == "throughput",
+        uneven=len({sum(n.gpus for n in r.pool.nodes) for r in m.regions}) > 1,
+        kubernetes=any(r.pool.kind == "kubernetes" for r in m.regions),
+    )
+    if conflict:
+        raise ConfigError(source, where, conflict)

@@ -43,7 +43,7 @@ def test_min_replicas_outside_the_regions_is_refused_with_the_majority_as_fix() 
 
 
 def test_a_spec_with_a_setting_only_the_main_loop_runs_is_refused() -> None:
-    with pytest.raises(SpecError, match=r"codec.adaptive yet"):
+    with pytest.raises(SpecError, match=r"compression.adaptive yet"):
         validate(make_spec(3, 1, fault_tolerance=FT, codec=CodecSpec(adaptive=AdaptiveSpec())))
 
 
