@@ -223,3 +223,13 @@ class DeepSeekLM(nn.Module):
 
 def build_model(name: str) -> DeepSeekLM:
     return DeepSeekLM(preset(name))
+
+
+def sync_bucket_count(name: str, bucket_mb: float) -> int:
+    """How many sync buckets (training.hier.sync_buckets) the preset's parameters make at
+    `bucket_mb`: counted on the meta device, without memory for the weights."""
+    from training.hier import sync_buckets
+
+    with torch.device("meta"):
+        model = build_model(name)
+    return len(sync_buckets(list(model.parameters()), bucket_mb))

@@ -460,6 +460,19 @@ def _streaming(m: StackModel, source: str) -> None:
             "training.diloco.tau",
             f"{d.tau} must be < inner_steps ({h}): a fragment's merge must land before its next",
         )
+    if d.fragments > 1:
+        from training.model import sync_bucket_count  # torch: only for streaming stacks
+
+        t = m.training
+        count = sync_bucket_count(t.model, t.bucket_mb)
+        if d.fragments > count:
+            raise _err(
+                source,
+                "training.diloco.fragments",
+                f"{d.fragments} is more than the {count} sync buckets of {t.model} at "
+                f"bucket_mb {t.bucket_mb:g} (a fragment is whole buckets); lower fragments "
+                f"to <= {count}, or lower training.bucket_mb",
+            )
     if m.training.sync == "diloco" and m.training.balance == "throughput":
         raise _err(
             source,

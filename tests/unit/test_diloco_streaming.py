@@ -15,12 +15,12 @@ from geotrain.cli import cli
 from training.codec import Codec
 from training.diloco import DiLoCo, split_fragments
 from training.errors import SpecError
+from training.gradsync import buckets
 from training.hier import HierarchicalAllReduce
 from training.spec import CodecSpec, DilocoSpec, LaunchSpec
 from training.streaming import twin
 from training.testing import make_spec, run_world
 from training.topology import Topology, make_groups
-from training.worker import _buckets
 
 pytestmark = pytest.mark.timeout(120)
 KEY = bytes(range(32))
@@ -49,9 +49,9 @@ def _train(rank: int, world: int, spec: DilocoSpec | None, steps: int, quant: st
     sync = HierarchicalAllReduce(topo, groups, codec, "test-run", error_feedback=True)
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=LR)
-    buckets = _buckets(list(model.parameters()), BUCKET_MB)
+    parts = buckets(list(model.parameters()), BUCKET_MB)
     ref = DilocoSpec(every_steps=3)
-    d = DiLoCo(buckets, spec or ref, sync, twin(sync) if spec and spec.tau else None)
+    d = DiLoCo(parts, spec or ref, sync, twin(sync) if spec and spec.tau else None)
     weights, landed = [], []
     for step in range(steps):
         model.zero_grad()
@@ -61,7 +61,7 @@ def _train(rank: int, world: int, spec: DilocoSpec | None, steps: int, quant: st
             if d.advance(step, steps, _Hash):
                 landed.append(step)
         elif spec is None and d.due(step, steps):
-            _textbook_merge(d, buckets, sync, step)
+            _textbook_merge(d, parts, sync, step)
             landed.append(step)
         weights.append([p.detach().clone() for p in model.parameters()])
     return {"weights": weights, "landed": landed}
@@ -210,6 +210,11 @@ def _stack(write_stack: Any, **diloco: Any) -> Any:
         ({"tau": 10}, "training.diloco.tau: 10 must be < inner_steps (10)"),
         ({"fragments": 11}, "training.diloco.fragments: 11 must be <= inner_steps (10)"),
         ({"mix": 1.5}, "training.diloco.mix"),
+        (
+            {"fragments": 4},
+            "training.diloco.fragments: 4 is more than the 3 sync buckets of deepseek-tiny at "
+            "bucket_mb 4",
+        ),
     ],
 )
 def test_streaming_settings_out_of_bounds_are_one_line_errors(
