@@ -40,12 +40,12 @@ import yaml
 
 from training.codec import Codec
 from training.data import ByteLoader, load_region_text
+from training.gradsync import hierarchical_step
 from training.hier import HierarchicalAllReduce
 from training.model import build_model
 from training.spec import AdaptiveSpec, CodecSpec
 from training.testing import make_spec, run_world
 from training.topology import Topology, make_groups
-from training.worker import hierarchical_step
 
 REGIONS = 3
 ROUNDS = 2

@@ -37,6 +37,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 
 from training.codec import Address, Codec
 from training.data import ByteLoader, load_region_text
+from training.gradsync import hierarchical_step
 from training.hier import HierarchicalAllReduce
 from training.model import build_model
 from training.report import flat_ring_cross_bytes
@@ -44,7 +45,6 @@ from training.session import Session
 from training.spec import CodecSpec
 from training.testing import make_spec, run_world
 from training.topology import Topology, make_groups
-from training.worker import hierarchical_step
 
 REGIONS, LOCAL = 3, 2
 WORLD = REGIONS * LOCAL

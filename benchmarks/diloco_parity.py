@@ -36,6 +36,7 @@ import torch.distributed as dist
 from training.codec import Codec
 from training.data import ByteLoader, load_region_text
 from training.diloco import DiLoCo
+from training.gradsync import hierarchical_step
 from training.hier import HierarchicalAllReduce, sync_buckets
 from training.model import DeepSeekLM, ModelConfig
 from training.report import flat_ring_cross_bytes
@@ -43,7 +44,6 @@ from training.spec import CodecSpec, DilocoSpec
 from training.streaming import twin
 from training.testing import make_spec, run_world
 from training.topology import Topology, make_groups
-from training.worker import hierarchical_step
 
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
 KEY = bytes(range(32))

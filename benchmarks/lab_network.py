@@ -37,11 +37,11 @@ def worker(spec_path: str, rank: int, reps: int, out: str) -> None:
     from training import gloo
     from training.codec import Codec
     from training.data import ByteLoader, load_region_text
+    from training.gradsync import flat_grads, grads_of, scatter
     from training.hier import HierarchicalAllReduce
     from training.model import build_model
     from training.spec import LaunchSpec
     from training.topology import Topology, make_groups
-    from training.worker import _flat_grads, _grads, _scatter
 
     torch.set_num_threads(1)
     spec = LaunchSpec.load(spec_path)
@@ -76,7 +76,7 @@ def worker(spec_path: str, rank: int, reps: int, out: str) -> None:
     for i in range(reps + 1):  # step 0 warms up both paths (connections, allocations)
         opt.zero_grad(set_to_none=True)
         model.loss(loader.next()).backward()
-        g = _flat_grads(params)
+        g = flat_grads(params)
         dist.barrier()
         t0 = time.perf_counter()
         y = g.clone()
@@ -86,7 +86,7 @@ def worker(spec_path: str, rank: int, reps: int, out: str) -> None:
         t0 = time.perf_counter()
         avg = sync.all_reduce(g, step=i)
         t_hier = time.perf_counter() - t0
-        _scatter(avg, _grads(params))
+        scatter(avg, grads_of(params))
         opt.step()
         if i:
             times["flat"].append(t_flat)

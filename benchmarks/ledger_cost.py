@@ -26,10 +26,10 @@ from pathlib import Path
 import torch
 
 from training.data import ByteLoader, load_region_text
+from training.gradsync import buckets
 from training.ledger import Ledger, TensorHasher, tensors_sm3
 from training.model import build_model
 from training.testing import make_spec
-from training.worker import _buckets
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SYNC_EVERY, MERGE_EVERY = 20, 100
@@ -70,7 +70,7 @@ def main(steps: int = 30, repeats: int = 15) -> None:
 
         def merge_record() -> None:  # ledger_hooks.merged: the buckets as merge() sends them
             pg = TensorHasher()
-            for bucket in _buckets(params, 4.0):
+            for bucket in buckets(params, 4.0):
                 pg.update(torch.cat([p.detach().reshape(-1) for p in bucket]))
             subject = {"pseudo-gradient/beijing": {"sm3": pg.hexdigest()}}
             subject["params"] = {"sm3": tensors_sm3(params)}

@@ -221,7 +221,7 @@ def for_job(spec: LaunchSpec, topo: Topology, gather: Gather) -> Balancer | None
 
 
 def stepped(job: Any, compute_s: float) -> None:
-    """After a worker's step (training.worker.train_step; job.step already advanced):
+    """After a worker's step (training.loop.train_step; job.step already advanced):
     measure, and on the assignment step set this rank's batch and sync weight."""
     bal: Balancer | None = job.balance
     if bal is None:

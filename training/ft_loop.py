@@ -1,5 +1,5 @@
 """The worker's loop when regions are torchft replica groups (training.quorum): the same
-steps as training.worker, with every cross-region round run through the quorum, each
+steps as training.loop, with every cross-region round run through the quorum, each
 region its own c10d world, and its own checkpoints."""
 
 from __future__ import annotations
@@ -13,11 +13,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from training import worker as w
+from training import gradsync as gs
+from training import loop as lp
+from training import state as st
 from training.codec import Codec
 from training.data import ByteLoader
 from training.diloco import DiLoCo
 from training.hier import HierarchicalAllReduce
+from training.job import RENDEZVOUS_TIMEOUT_S, Job, build_model, preflight
 from training.metrics import RuntimeMetrics
 from training.quorum import MERGE, STEP, Quorum, region_checkpointer, region_world, validate
 from training.session import Control, agree, wait_for_all
@@ -27,12 +30,12 @@ from training.topology import Groups, Topology
 
 def setup(
     spec: LaunchSpec, node_name: str, local_rank: int, events: Path | None, run_dir: Path | None
-) -> tuple[w.Job, Quorum]:
+) -> tuple[Job, Quorum]:
     validate(spec)
-    rank, key, text = w.preflight(spec, node_name, local_rank)
+    rank, key, text = preflight(spec, node_name, local_rank)
     region, node = spec.node(node_name)
     topo = Topology.of(spec, rank)
-    wait = timedelta(seconds=w.RENDEZVOUS_TIMEOUT_S)
+    wait = timedelta(seconds=RENDEZVOUS_TIMEOUT_S)
     store = region_world(spec, topo, node.host, wait)
     wait_for_all(store, topo.local_size, wait)
     device = torch.device("cpu")
@@ -41,11 +44,11 @@ def setup(
     session = agree(key, spec.run_id, ckpt.stored_epoch)  # the region's: checkpoints, flags
     ckpt.start(session)
     torch.manual_seed(spec.seed)
-    model = w.build_model(spec)
+    model = build_model(spec)
     # the region-only sync: holds the run's counters and the checkpointed residuals;
     # the quorum's syncs (training.quorum) do the exchanges
     sync = HierarchicalAllReduce(topo, groups, Codec(spec.codec, key, session), spec.run_id)
-    job = w.Job(
+    job = Job(
         spec=spec,
         topo=topo,
         groups=groups,
@@ -61,8 +64,8 @@ def setup(
     )
     ckpt.on_commit = lambda step: job.emit("committed", node=node.name, step=step)
     if spec.sync == "diloco":
-        job.diloco = DiLoCo(w._buckets(list(model.parameters()), spec.bucket_mb), spec.diloco, sync)
-    w.prime(job)
+        job.diloco = DiLoCo(gs.buckets(list(model.parameters()), spec.bucket_mb), spec.diloco, sync)
+    st.prime(job)
     job.metrics.serve(*metrics_endpoint(spec, node, local_rank))
     q = Quorum(
         spec,
@@ -80,7 +83,7 @@ def setup(
 
 
 # -- heal state -------------------------------------------------------------------------
-def heal_state(job: w.Job) -> dict[str, Any]:
+def heal_state(job: Job) -> dict[str, Any]:
     """What a healer takes from this rank: weights, inner optimizer, DiLoCo's global
     weights and outer optimizer, counters. Per-rank state (data position, RNG, residuals)
     stays: it belongs to the donor's region."""
@@ -89,11 +92,11 @@ def heal_state(job: w.Job) -> dict[str, Any]:
         "model": job.model.state_dict(),
         "optim": job.opt.state_dict(),
         "global": d.state_dict() if d is not None else {},
-        "counters": {"step": job.step, "tokens": job.tokens, "merges": w.merges(job)},
+        "counters": {"step": job.step, "tokens": job.tokens, "merges": st.merges(job)},
     }
 
 
-def load_heal(job: w.Job, state: dict[str, Any]) -> None:
+def load_heal(job: Job, state: dict[str, Any]) -> None:
     t0 = time.perf_counter()
     job.model.load_state_dict(state["model"])
     job.opt.load_state_dict(state["optim"])
@@ -106,7 +109,7 @@ def load_heal(job: w.Job, state: dict[str, Any]) -> None:
     job.emit("healed", step=job.step, phase=state["phase"], load_s=time.perf_counter() - t0)
 
 
-def quorum_changed(job: w.Job, q: Quorum, healers: int) -> None:
+def quorum_changed(job: Job, q: Quorum, healers: int) -> None:
     names = job.topo.region_names
     excluded = [names[i] for i in range(job.topo.regions) if i not in q.members]
     job.metrics.quorum([names[i] for i in q.members], excluded)
@@ -122,28 +125,28 @@ def quorum_changed(job: w.Job, q: Quorum, healers: int) -> None:
         )
 
 
-def failed(job: w.Job, why: str) -> None:
+def failed(job: Job, why: str) -> None:
     job.metrics.round_failed()
     if job.leader:
         job.emit("round_failed", step=job.step, reason=why)
 
 
 # -- steps ------------------------------------------------------------------------------
-def all_reduce_grads(job: w.Job, q: Quorum) -> None:
+def all_reduce_grads(job: Job, q: Quorum) -> None:
     """allreduce mode and DiLoCo's warm-up: every bucket through the quorum's sync; the
     gradients are replaced only once the round commits (a failed round runs again)."""
-    buckets = w._buckets(list(job.model.parameters()), job.spec.bucket_mb)
-    flats = [w._flat_grads(p) for p in buckets]
+    buckets = gs.buckets(list(job.model.parameters()), job.spec.bucket_mb)
+    flats = [gs.flat_grads(p) for p in buckets]
 
     def exchange(sync: HierarchicalAllReduce) -> list[torch.Tensor]:
         return [sync.all_reduce(f, step=job.step, bucket=b) for b, f in enumerate(flats)]
 
     synced = q.round(exchange, lambda why: failed(job, why))
     for params, avg in zip(buckets, synced, strict=True):
-        w._scatter(avg, w._grads(params))
+        gs.scatter(avg, gs.grads_of(params))
 
 
-def merge(job: w.Job, q: Quorum) -> None:
+def merge(job: Job, q: Quorum) -> None:
     """A DiLoCo merge among the quorum. A region healed into this merge holds the donor's
     inner weights: it sends a zero pseudo-gradient, and the average counts only the
     regions that contribute."""
@@ -163,7 +166,7 @@ def merge(job: w.Job, q: Quorum) -> None:
     job.metrics.merges.inc()
 
 
-def train_step(job: w.Job, q: Quorum) -> None:
+def train_step(job: Job, q: Quorum) -> None:
     t0 = time.perf_counter()
     before = job.sync.stats.sync_seconds + _open(q)
     d = job.diloco
@@ -179,11 +182,11 @@ def train_step(job: w.Job, q: Quorum) -> None:
     loss = job.model.loss(tokens)
     loss.backward()
     compute = time.perf_counter() - c0
-    w.staged(job)
+    lp.staged(job)
     if crossing:
         all_reduce_grads(job, q)
     else:
-        w.region_average_grads(job)
+        gs.region_average_grads(job)
     c0 = time.perf_counter()
     job.opt.step()
     compute += time.perf_counter() - c0
@@ -194,21 +197,21 @@ def train_step(job: w.Job, q: Quorum) -> None:
 
 
 def finish(
-    job: w.Job, q: Quorum, loss: float, t0: float, before: float, merge_due: bool, compute: float
+    job: Job, q: Quorum, loss: float, t0: float, before: float, merge_due: bool, compute: float
 ) -> None:
-    merge_due, ckpt_due = w._due(job) if not merge_due else (True, _ckpt_due(job))
+    merge_due, ckpt_due = lp.due(job) if not merge_due else (True, _ckpt_due(job))
     if merge_due:
         merge(job, q)
     job.step += 1
     if ckpt_due:
-        job.ckpt.save(job.step, w.state_dict(job))
+        job.ckpt.save(job.step, st.state_dict(job))
         job.last_save = time.monotonic()
     q.flush()
     sync_s = job.sync.stats.sync_seconds - before
-    w.report(job, loss, time.perf_counter() - t0, sync_s, merge_due, compute)
+    lp.report(job, loss, time.perf_counter() - t0, sync_s, merge_due, compute)
 
 
-def _ckpt_due(job: w.Job) -> bool:
+def _ckpt_due(job: Job) -> bool:
     s = job.step + 1
     return s % job.spec.checkpoint.interval_steps == 0 and s != job.spec.steps
 
@@ -233,26 +236,26 @@ def run(
         ft=True,  # sessions are per quorum (training.quorum), not per start
     )
     try:
-        resumed = w.resume(job)
+        resumed = st.resume(job)
         if resumed is not None:
             job.emit("resume", step=resumed)
         q.manager.load_state_dict({"step": rounds(job), "batches_committed": 0})
         q.begin(STEP)  # join: a region behind the others heals from one of them here
         while job.step < spec.steps:
             train_step(job, q)
-        w.staged(job)
+        lp.staged(job)
         job.ckpt.wait()
         if job.topo.rank == 0 and run_dir is not None:
             torch.save(job.model.state_dict(), run_dir / "final.pt")
         if job.leader:
-            job.emit("done", step=job.step, digest=w.params_digest(job.model), heals=q.heals)
+            job.emit("done", step=job.step, digest=lp.params_digest(job.model), heals=q.heals)
     finally:
         q.shutdown()
     dist.barrier()
     dist.destroy_process_group()
 
 
-def rounds(job: w.Job) -> int:
+def rounds(job: Job) -> int:
     """Cross-region rounds committed so far: torchft's step, which decides who heals."""
     d = job.diloco
     if d is None:

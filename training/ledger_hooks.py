@@ -23,8 +23,8 @@ from training.session import Control, Session
 from training.spec import LaunchSpec
 
 if TYPE_CHECKING:
+    from training.job import Job
     from training.topology import Topology
-    from training.worker import Job
 
 FINAL = "final.pt"
 _recording = False

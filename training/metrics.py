@@ -176,7 +176,7 @@ class RuntimeMetrics:
             self.link.labels(**self._labels, peer_region=peer_region).inc(n)
 
     def links(self, report: dict[str, Any]) -> None:
-        """Per-link gauges from training.worker.link_report: bandwidth and RTT of each
+        """Per-link gauges from training.loop.link_report: bandwidth and RTT of each
         measured link, and the bytes per value of the adaptive codec on each link this rank
         sends over (`all`, the gather stage, is labelled dst_region=all)."""
         for link in report["links"]:

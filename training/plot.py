@@ -1,4 +1,4 @@
-"""A picture of a finished run from the workers' event stream (training.worker `emit`):
+"""A picture of a finished run from the workers' event stream (training.job `Job.emit`):
 loss per region, cross-region bytes against fp32, and time in sync against compute; and a
 one-line unicode sparkline for terminals.
 

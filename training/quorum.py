@@ -435,7 +435,7 @@ def region_world(spec: LaunchSpec, topo: Topology, host: str, wait: timedelta) -
 def region_checkpointer(
     spec: LaunchSpec, topo: Topology, node: str, key: bytes, state_dir: Path | None
 ) -> Checkpointer:
-    """training.worker.make_checkpointer over the region's world: a region commits its own
+    """training.job.make_checkpointer over the region's world: a region commits its own
     checkpoints (ranks are region-local in this world)."""
     from training.spec import node_root
 

@@ -36,7 +36,7 @@ DCGM_COUNTERS = "/etc/dcgm-exporter/default-counters.csv"
 """Shipped by NVIDIA's datacenter-gpu-manager-exporter package."""
 
 CONTROL_EVERY_STEPS = 10
-"""training.worker.CONTROL_EVERY: time-based merges are agreed on every 10 steps."""
+"""training.loop.CONTROL_EVERY: time-based merges are agreed on every 10 steps."""
 STALL_FLOOR_S = 600
 """Shortest sync-stall threshold: 10 min rides out a slow step, a checkpoint fence and a
 restarted rank's first steps."""

@@ -14,11 +14,11 @@ from click.testing import CliRunner
 from geotrain.cli import cli
 from training.codec import Codec
 from training.diloco import DiLoCo, outer_hint, suggested_outer_lr
+from training.gradsync import buckets, hierarchical_step
 from training.hier import HierarchicalAllReduce
 from training.spec import CodecSpec, DilocoSpec, LaunchSpec
 from training.testing import make_spec, run_world
 from training.topology import Groups, Topology, make_groups
-from training.worker import _buckets, hierarchical_step
 
 pytestmark = pytest.mark.timeout(120)
 KEY = bytes(range(32))
@@ -78,8 +78,8 @@ def _train(
     sync = _sync(topo, groups, cipher)
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=LR)  # no momentum, no weight decay
-    buckets = _buckets(list(model.parameters()), BUCKET_MB)
-    d = DiLoCo(buckets, diloco, sync) if diloco else None
+    parts = buckets(list(model.parameters()), BUCKET_MB)
+    d = DiLoCo(parts, diloco, sync) if diloco else None
     weights, merged, warm_end = [], [], None
     for step, batch in enumerate(_batches(rank, steps)):
         _grads(model, batch)

@@ -39,12 +39,12 @@ from training.errors import (
     TransientReject,
 )
 from training.hier import HierarchicalAllReduce
+from training.job import previous_rejects
 from training.metrics import RuntimeMetrics
 from training.session import Control, Session, agree, derive, link_info, rendezvous_store
 from training.spec import CodecSpec, listeners
 from training.testing import make_spec, run_world
 from training.topology import Topology, make_groups
-from training.worker import previous_rejects
 
 pytestmark = pytest.mark.timeout(240)
 KEY = bytes(range(32))

@@ -1,0 +1,87 @@
+"""Gradient and weight synchronisation of one step: per-step hierarchical all-reduce
+(training.hier), the region-only average of DiLoCo's inner steps, and the periodic merge
+(training.diloco), bucket by bucket."""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from training import balance, ledger_hooks
+from training.hier import HierarchicalAllReduce, sync_buckets
+
+if TYPE_CHECKING:
+    from training.job import Job
+
+
+def flat_grads(params: list[torch.nn.Parameter]) -> torch.Tensor:
+    return torch.cat(
+        [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params]
+    )
+
+
+def scatter(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
+    i = 0
+    for t in tensors:
+        n = t.numel()
+        t.copy_(flat[i : i + n].view_as(t))
+        i += n
+
+
+def grads_of(params: list[Any]) -> list[torch.Tensor]:
+    """Gradients of `params`, created as zeros where autograd left none (unused experts)."""
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    return [p.grad for p in params]
+
+
+def buckets(params: list[torch.nn.Parameter], bucket_mb: float) -> list[list[torch.nn.Parameter]]:
+    return sync_buckets(params, bucket_mb)
+
+
+def sync_grads(job: Job) -> None:
+    """allreduce mode: every bucket through the hierarchical compressed sync."""
+    hierarchical_step(job.model, job.sync, job.step, job.spec.bucket_mb)
+
+
+def hierarchical_step(
+    model: torch.nn.Module, sync: HierarchicalAllReduce, step: int, bucket_mb: float
+) -> None:
+    """Replace every gradient by its global average through `sync`, bucket by bucket."""
+    for b, params in enumerate(buckets(list(model.parameters()), bucket_mb)):
+        synced = sync.all_reduce(flat_grads(params), step=step, bucket=b)
+        scatter(synced, grads_of(params))
+
+
+def region_average_grads(job: Job) -> None:
+    """diloco inner step: gradients averaged inside the region only."""
+    params = list(job.model.parameters())
+    flat = flat_grads(params)
+    dist.all_reduce(flat, group=job.groups.intra)
+    flat.div_(job.topo.local_size)
+    scatter(flat, grads_of(params))
+
+
+def merge(job: Job, due: bool, settle: bool) -> bool:
+    """The periodic global merge (training.diloco) when `due`, each merge applied signed
+    into the ledger; `settle`: a checkpoint follows, so merges in flight land now.
+    Returns whether a merge was applied. A throughput balance weights the merge by its
+    interval's samples (it is refused with streaming, whose fragments land late)."""
+    d = job.diloco
+    if d is None:
+        return False
+    done = []
+    if due:  # the region's pseudo-gradient, for the ledger
+        hasher = functools.partial(ledger_hooks.hasher, job)
+        with balance.merging(job.balance, job.sync, job.step, job.spec.diloco.warmup_steps):
+            done = d.advance(job.step, job.spec.steps, hasher)
+    if settle:  # only streaming has merges in flight, and it runs without a balance
+        done += d.settle()
+    for pg in done:
+        ledger_hooks.merged(job, pg)  # type: ignore[arg-type]  # the hashers made above
+        job.metrics.merges.inc()
+    return bool(done)

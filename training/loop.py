@@ -1,0 +1,247 @@
+"""The training loop of one rank: steps, the agreed merge and checkpoint triggers, metrics
+and step events, and the run from setup to the final weights."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from training import balance, ledger_hooks
+from training.errors import (
+    PayloadRejected,
+)
+from training.gradsync import merge, region_average_grads, sync_grads
+from training.job import Job, rejected, setup
+from training.privacy import (
+    Stop,
+    agreed_stop,
+    budget_error,
+)
+from training.spec import LaunchSpec
+from training.state import resume, state_dict
+
+CONTROL_EVERY = 10
+"""Time-based merges/saves are agreed on every this many steps (two flags per rank, MAC'd:
+training.session.Control)."""
+
+
+def params_digest(model: torch.nn.Module) -> str:
+    h = hashlib.sha256()
+    for p in model.parameters():
+        h.update(p.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def due(job: Job) -> tuple[bool, bool]:
+    """(merge due, checkpoint due) after the current step; every rank gets the same answer."""
+    s, spec, d = job.step + 1, job.spec, job.diloco
+    merge_due = d is not None and d.due(job.step, spec.steps)
+    ckpt_due = s % spec.checkpoint.interval_steps == 0 and s != spec.steps
+    if s % CONTROL_EVERY == 0:  # time-based triggers: agree across ranks (MAX)
+        now = time.monotonic()
+        mine = [
+            d is not None and d.time_due(job.step, now),
+            now - job.last_save >= 60 * spec.checkpoint.interval_minutes,
+        ]
+        assert job.control is not None  # set by setup
+        views = job.control.gather(mine)  # every rank's flags, each verified
+        merge_due = merge_due or any(v[0] for v in views)
+        ckpt_due = ckpt_due or any(v[1] for v in views)
+    return merge_due, ckpt_due
+
+
+def staged(job: Job) -> None:
+    """Wait (if needed) for the last save's copy of the state, then report what the save
+    cost the loop."""
+    done = job.ckpt.fence()
+    if done is None:
+        return
+    step, stall = done
+    job.metrics.checkpointed(stall)
+    if job.topo.rank == 0:
+        job.emit("checkpoint", step=step, stall_s=stall)
+
+
+def train_step(job: Job) -> None:
+    t0 = time.perf_counter()
+    sync_before = job.sync.stats.sync_seconds
+    tokens = job.loader.next().to(job.groups.device)
+    job.opt.zero_grad(set_to_none=True)
+    c0 = time.perf_counter()  # compute: forward, backward, optimizer (utilisation)
+    if job.privacy is not None:  # per-record clipped, noised: see training.privacy
+        loss = job.privacy.clipped_noisy_grads(job.model, tokens, job.model.loss)
+        job.privacy.budget.record()
+    else:
+        batch_loss = job.model.loss(tokens)
+        batch_loss.backward()
+        loss = batch_loss.item()
+    compute = time.perf_counter() - c0
+    staged(job)  # the last save's copy of the state must be taken before it changes
+    gradient = None
+    if job.diloco is None or job.diloco.warming(job.step):
+        gradient = ledger_hooks.region_gradient(job)  # None unless a recorded step
+        sync_grads(job)
+    else:
+        region_average_grads(job)
+    c0 = time.perf_counter()
+    job.opt.step()
+    compute += time.perf_counter() - c0
+    ledger_hooks.synced(job, gradient)
+    if job.diloco is not None:
+        job.diloco.step_done(job.step)  # the end of the warm-up takes the global copy
+    merge_due, ckpt_due = due(job)
+    merged = merge(job, merge_due, ckpt_due)
+    job.step += 1
+    job.tokens += tokens.numel() - tokens.shape[0]
+    if ckpt_due:
+        job.ckpt.save(job.step, state_dict(job))
+        job.last_save = time.monotonic()
+    step_s, sync_s = time.perf_counter() - t0, job.sync.stats.sync_seconds - sync_before
+    report(job, loss, step_s, sync_s, merged, compute)
+    balance.stepped(job, step_s - sync_s)  # throughput balance: measure, then assign
+
+
+def report(
+    job: Job, loss: float, step_s: float, sync_s: float, merged: bool, compute_s: float
+) -> None:
+    st, m = job.sync.stats, job.metrics
+    stats = torch.tensor(
+        [loss, st.cross_wire_bytes, st.cross_raw_bytes, sync_s], dtype=torch.float64
+    )
+    dist.all_reduce(stats, group=job.groups.intra)  # region totals (never crosses borders)
+    L = job.topo.local_size
+    batch = job.balance.batch if job.balance is not None else job.spec.batch_size
+    tps = (batch * job.spec.seq_len) / step_s
+    m.step.set(job.step)
+    m.loss.set(loss)
+    m.step_s.set(step_s)
+    m.sync_s.set(sync_s)
+    m.tokens_per_s.set(tps)
+    now = {"wire": st.cross_wire_bytes, "raw": st.cross_raw_bytes, "intra": st.intra_bytes}
+    m.cross_wire.inc(now["wire"] - job.reported.get("wire", 0))
+    m.cross_raw.inc(now["raw"] - job.reported.get("raw", 0))
+    m.intra.inc(now["intra"] - job.reported.get("intra", 0))
+    for peer, n in st.per_peer_wire.items():
+        key = f"link{peer}"
+        m.link_bytes(job.topo.region_names[peer], n - job.reported.get(key, 0))
+        now[key] = n
+    job.reported = now
+    m.links(link_report(job))
+    if job.diloco is None or merged or job.diloco.warming(job.step - 1):
+        m.syncs.inc()
+    if st.cross_wire_bytes:
+        m.ratio.set(st.cross_raw_bytes / st.cross_wire_bytes)
+    m.tick()
+    if job.leader:
+        warmed = job.diloco is not None and job.step == job.spec.diloco.warmup_steps
+        extra: dict[str, Any] = {"digest": params_digest(job.model)} if merged or warmed else {}
+        if job.privacy is not None:
+            extra.update(privacy_spent(job))
+        job.emit(
+            "step",
+            step=job.step,
+            loss=stats[0].item() / L,
+            tokens_per_s=tps * L,
+            cross_wire=stats[1].item(),
+            cross_raw=stats[2].item(),
+            sync_s=stats[3].item() / L,
+            step_s=step_s,
+            compute_s=compute_s,
+            merged=merged,
+            saving=job.ckpt.saving(),
+            **extra,
+        )
+
+
+def link_report(job: Job) -> dict[str, Any]:
+    """Every link's estimate (training.linkprobe) and, with codec.adaptive, its codec."""
+    s = job.sync
+    return {
+        "links": s.links.report() if s.links else [],
+        "codecs": s.adaptive.report() if s.adaptive else {},
+    }
+
+
+def privacy_spent(job: Job) -> dict[str, float]:
+    """The region's epsilon so far: metric, ledger entry, and the step event's fields."""
+    p = job.privacy
+    assert p is not None  # called only with DP on
+    eps = p.budget.epsilon()
+    job.metrics.privacy(eps, p.spec.target_epsilon)
+    ledger_hooks.privacy(job, eps, p.spec.delta, p.budget.steps)
+    return {"epsilon": eps, "epsilon_target": p.spec.target_epsilon, "delta": p.spec.delta}
+
+
+def last_step(job: Job) -> Stop:
+    """Steps to run, and the region whose privacy budget ends the run first, if any:
+    agreed by every rank once the checkpoint's privacy history is loaded."""
+    steps = job.spec.steps
+    if not any(r.privacy for r in job.spec.regions):
+        return Stop(steps, None)
+    offer = job.privacy.offer(steps) if job.privacy else (steps, 0.0, 0.0, 0.0)
+    return agreed_stop(offer, job.topo.region_index, steps)
+
+
+def run(
+    spec: LaunchSpec, node: str, local_rank: int, events: Path | None, run_dir: Path | None
+) -> None:
+    if spec.fault_tolerance is not None:  # regions as torchft replica groups
+        from training import ft_loop
+
+        return ft_loop.run(spec, node, local_rank, events, run_dir)
+    job = setup(spec, node, local_rank, events, run_dir)
+    n_params = sum(p.numel() for p in job.model.parameters())
+    session = job.sync.codec.session
+    assert session is not None  # agreed in setup
+    job.emit(
+        "start",
+        pid=os.getpid(),
+        node=node,
+        params=n_params,
+        world=spec.world_size,
+        regions=len(spec.regions),
+        sync=spec.sync,
+        warmup=spec.diloco.warmup_steps if spec.sync == "diloco" else 0,
+        epoch=session.epoch,
+        session=session.id.hex()[:16],
+    )
+    if job.leader:
+        job.emit("links", **link_report(job))
+    try:
+        resumed = resume(job)
+        if resumed is not None:
+            job.emit("resume", step=resumed)
+        stop = last_step(job)
+        while job.step < stop.step:
+            train_step(job)
+        merge(job, False, True)  # a run stopped early: no exchange left in flight
+    except PayloadRejected as e:
+        rejected(job, e)
+        raise
+    staged(job)
+    job.ckpt.wait()
+    if job.topo.rank == 0 and run_dir is not None:
+        torch.save(job.model.state_dict(), run_dir / "final.pt")
+    ledger_hooks.finished(job, run_dir)
+    if job.leader:
+        job.emit(
+            "done",
+            step=job.step,
+            digest=params_digest(job.model),
+            encode_s=job.sync.codec.stats.encode_seconds,
+            decode_s=job.sync.codec.stats.decode_seconds,
+            **link_report(job),
+        )
+    dist.barrier()
+    dist.destroy_process_group()
+    if stop.region is not None:  # every rank got here at the same step: a clean stop, exit 2
+        if job.topo.rank == 0:  # once per run
+            name = spec.regions[stop.region].name
+            job.emit("privacy_budget_spent", step=job.step, stopped_by=name)
+        raise budget_error(stop, spec)
