@@ -7,8 +7,8 @@ Cost of a choice c for a piece of n fp32 values sent over a set of links:
 encode and decode are fp32 bytes per second of this rank's codec with c, and ratio is fp32
 bytes per wire byte: calibrated at start on a sample (`CostModel.calibrate`), then an EWMA
 of the sync's own encodes and decodes. A higher zstd level of a quantizer is never
-predicted to encode faster than a lower one (`CostModel.encode_speed`). Bandwidth and
-RTT: training.linkprobe.
+predicted to encode faster than a lower one (`CostModel.encode_speed`), and every level
+decodes at its quantizer's speed (`decode_speed`). Bandwidth and RTT: training.linkprobe.
 
 Which choice (`pick`): with no budget, the fastest (choices within TIE of it tie, and the
 more precise, then the lower zstd level, wins). With a budget (seconds per step, or a
@@ -124,12 +124,20 @@ class CostModel:
             if k.quantize == c.quantize and k.level <= c.level
         )
 
+    def decode_speed(self, c: Choice) -> float:
+        """The fastest decode of c's quantizer at any zstd level: zstd decodes every
+        level at about one speed (`observe_decode` keeps one per quantizer too), so a gap
+        between levels is noise (with encode_speed alone one lab rank still took zstd 3)."""
+        return max(s.decode for k, s in self.speeds.items() if k.quantize == c.quantize)
+
     def seconds(self, c: Choice, n: int, links: list[Link]) -> float:
         """Predicted time to encode, send over every link of `links` and decode n values."""
-        s, raw = self.speeds[c], 4 * n
-        wire = raw / s.ratio
+        raw = 4 * n
+        wire = raw / self.speeds[c].ratio
         return (
-            raw / self.encode_speed(c) + max(link.seconds(wire) for link in links) + raw / s.decode
+            raw / self.encode_speed(c)
+            + max(link.seconds(wire) for link in links)
+            + raw / self.decode_speed(c)
         )
 
     def observe_encode(self, c: Choice, n: int, seconds: float, wire: int) -> None:
