@@ -6,7 +6,9 @@ Cost of a choice c for a piece of n fp32 values sent over a set of links:
   wire(c) = 4n / ratio(c)
 encode and decode are fp32 bytes per second of this rank's codec with c, and ratio is fp32
 bytes per wire byte: calibrated at start on a sample (`CostModel.calibrate`), then an EWMA
-of the sync's own encodes and decodes. Bandwidth and RTT: training.linkprobe.
+of the sync's own encodes and decodes. A higher zstd level of a quantizer is never
+predicted to encode faster than a lower one (`CostModel.encode_speed`), and every level
+decodes at its quantizer's speed (`decode_speed`). Bandwidth and RTT: training.linkprobe.
 
 Which choice (`pick`): with no budget, the fastest (choices within TIE of it tie, and the
 more precise, then the lower zstd level, wins). With a budget (seconds per step, or a
@@ -44,7 +46,7 @@ from training.spec import QUANTIZERS, AdaptiveSpec, CodecSpec
 
 CALIBRATION_VALUES = 1 << 17
 """fp32 values each choice encodes and decodes at start (512 KiB)."""
-CALIBRATION_REPS = 2
+CALIBRATION_REPS = 3
 """Timed encodes and decodes of each choice at start; the fastest counts."""
 EWMA_ALPHA = 0.3
 """Weight of a new speed sample."""
@@ -90,29 +92,53 @@ class CostModel:
         spec: CodecSpec, choices: list[Choice], values: int = CALIBRATION_VALUES
     ) -> CostModel:
         """Time every choice on a sample, with a throwaway key and session (this
-        machine's speeds; the run's codec counters stay untouched)."""
+        machine's speeds; the run's codec counters stay untouched). The timings go round
+        the choices CALIBRATION_REPS times and each keeps its fastest: a burst of load on
+        a shared core meets every choice, not one."""
         codec = Codec(spec, bytes(32), Session.unagreed("calibration"))
         x = torch.randn(values, generator=torch.Generator().manual_seed(0)) * 1e-3
         addr = Address(0, 0, 0, 1, 0)
-        speeds = {}
-        raw = 4 * values
-        for c in choices:
-            codec.encode(x, addr, c.quantize, c.level)  # warm-up: zstd contexts, keys
-            enc = dec = float("inf")
-            for _ in range(CALIBRATION_REPS):  # the best: a shared core's hiccups excluded
+        enc = dict.fromkeys(choices, float("inf"))
+        dec = dict.fromkeys(choices, float("inf"))
+        wire = {}
+        for c in choices:  # warm-up: zstd contexts, keys
+            wire[c] = len(codec.encode(x, addr, c.quantize, c.level)[0])
+        for _ in range(CALIBRATION_REPS):
+            for c in choices:
                 t0 = time.perf_counter()
                 payload, _ = codec.encode(x, addr, c.quantize, c.level)
                 t1 = time.perf_counter()
                 codec.decode(payload, addr, values, (c.quantize,))
-                enc, dec = min(enc, t1 - t0), min(dec, time.perf_counter() - t1)
-            speeds[c] = Speed(raw / enc, raw / dec, raw / len(payload))
-        return CostModel(speeds)
+                enc[c], dec[c] = min(enc[c], t1 - t0), min(dec[c], time.perf_counter() - t1)
+        raw = 4 * values
+        return CostModel({c: Speed(raw / enc[c], raw / dec[c], raw / wire[c]) for c in choices})
+
+    def encode_speed(self, c: Choice) -> float:
+        """c's encode speed, capped by that of every lower zstd level of its quantizer:
+        zstd searches more at a higher level, so a higher level measured faster is noise
+        (in the lab a rank's calibration so picked int4 at zstd 3, same bytes as zstd 1,
+        for the whole run)."""
+        return min(
+            s.encode
+            for k, s in self.speeds.items()
+            if k.quantize == c.quantize and k.level <= c.level
+        )
+
+    def decode_speed(self, c: Choice) -> float:
+        """The fastest decode of c's quantizer at any zstd level: zstd decodes every
+        level at about one speed (`observe_decode` keeps one per quantizer too), so a gap
+        between levels is noise (with encode_speed alone one lab rank still took zstd 3)."""
+        return max(s.decode for k, s in self.speeds.items() if k.quantize == c.quantize)
 
     def seconds(self, c: Choice, n: int, links: list[Link]) -> float:
         """Predicted time to encode, send over every link of `links` and decode n values."""
-        s, raw = self.speeds[c], 4 * n
-        wire = raw / s.ratio
-        return raw / s.encode + max(link.seconds(wire) for link in links) + raw / s.decode
+        raw = 4 * n
+        wire = raw / self.speeds[c].ratio
+        return (
+            raw / self.encode_speed(c)
+            + max(link.seconds(wire) for link in links)
+            + raw / self.decode_speed(c)
+        )
 
     def observe_encode(self, c: Choice, n: int, seconds: float, wire: int) -> None:
         s = self.speeds.get(c)

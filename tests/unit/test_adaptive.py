@@ -62,6 +62,22 @@ def test_a_near_tie_goes_to_the_more_precise_then_the_cheaper_level() -> None:
     assert pick({Choice("int4", 3): 1.0, INT4: 1.03}, None) == INT4
 
 
+def test_a_higher_zstd_level_timed_faster_than_a_lower_one_is_not_picked_for_it() -> None:
+    int4_z3 = Choice("int4", 3)
+    noisy = {c: Speed(s.encode, s.decode, s.ratio) for c, s in SPEEDS.items()}
+    noisy[INT4] = Speed(encode=100e6, decode=380e6, ratio=9.0)  # a hiccup in its timing
+    noisy[int4_z3] = Speed(encode=300e6, decode=380e6, ratio=9.0)  # same bytes
+    model = CostModel(noisy)
+    link = [Link(bandwidth=2.5e6, rtt=0.0, samples=1)]
+    times = {c: model.seconds(c, N, link) for c in noisy}
+    assert times[int4_z3] >= times[INT4]
+    assert pick(times, None) == INT4
+    noisy[INT4] = Speed(encode=300e6, decode=100e6, ratio=9.0)  # a hiccup in its decode
+    assert pick({c: model.seconds(c, N, link) for c in noisy}, None) == INT4
+    noisy[int4_z3].ratio = 12.0  # fewer bytes: a higher level still wins a slow link
+    assert pick({c: model.seconds(c, N, link) for c in noisy}, None) == int4_z3
+
+
 def test_a_budget_buys_the_most_precise_codec_that_fits_it() -> None:
     times = _times(bandwidth=1e9)
     assert pick(times, budget=times[NONE] * 1.01) == NONE
