@@ -56,6 +56,7 @@ from training.privacy import (
 )
 from training.session import Control, agree, rendezvous_store, wait_for_all
 from training.spec import LaunchSpec, metrics_endpoint
+from training.topo_exchange import TopologyExchange
 from training.topology import Groups, Topology, make_groups
 from training.torchrun import agent_store, from_env
 
@@ -221,6 +222,7 @@ def setup(
     sync = HierarchicalAllReduce(
         topo, groups, codec, spec.run_id, error_feedback=spec.codec.error_feedback
     )
+    sync.planner = TopologyExchange.for_spec(spec)  # exchange: topology (None: direct)
     sync.probe()  # every cross-region link's bandwidth and RTT (training.linkprobe)
     privacy = RegionPrivacy.for_rank(spec, topo, text, device)
     job = Job(
