@@ -124,15 +124,18 @@ class TopologyExchange:
         R = topo.regions
         row = torch.zeros(2 * R + 3, dtype=torch.float64)  # [bandwidth from j, rtt, speeds]
         if sync.links is not None:
-            for j, link in sync.links.links.items():
-                row[j], row[R + j] = link.bandwidth, link.rtt
+            for j, link in sync.links.links.items():  # samples only underestimate (linkprobe)
+                row[j], row[R + j] = max(link.bandwidth, link.probed), link.rtt
         row[2 * R :] = torch.tensor(self.counters.row(sync.codec.spec.quantize))
         rows = [torch.empty_like(row) for _ in range(R)]
         dist.all_gather(rows, row, group=sync.groups.cross)
         self.matrix = matrix_of([r.tolist() for r in rows])
         before = self.plan
         self.plan = plan(self.matrix, values, before, MARGIN, self.relays)
-        if self.plan != before:
+        if before is None or (self.plan.weights, self.plan.routes) != (
+            before.weights,
+            before.routes,
+        ):
             self.history.append((self.exchanges, self.plan.describe(topo.region_names)))
 
     # -- one exchange -----------------------------------------------------------------

@@ -415,6 +415,8 @@ def _training(m: StackModel, source: str) -> None:
 
 def _exchange(m: StackModel, source: str) -> None:
     c = m.training.compression
+    if m.training.exchange != "topology":
+        return
     conflict = exchange_conflict(
         secure_aggregation=c.secure_aggregation, adaptive=c.adaptive is not None
     )
