@@ -90,6 +90,15 @@ class ExchangePlan:
     seconds: float = 0.0
     """Predicted seconds of one exchange of the shard it was planned for."""
 
+    def __post_init__(self) -> None:
+        R = len(self.weights)
+        if min(self.weights) < 0 or not sum(self.weights) or len(self.routes) != R:
+            raise ValueError(f"plan weights {self.weights} / routes do not fit {R} regions")
+        for i, row in enumerate(self.routes):
+            bad = [j for j, hop in enumerate(row) if hop != j and hop in (i, j)]
+            if len(row) != R or row[i] != i or bad or not all(0 <= h < R for h in row):
+                raise ValueError(f"plan routes[{i}] {row}: each hop must be j or a third region")
+
     @staticmethod
     def direct(regions: int) -> ExchangePlan:
         """Today's exchange: equal pieces, every flow on its direct link."""

@@ -97,6 +97,13 @@ def test_an_unmeasured_link_keeps_the_direct_plan() -> None:
     assert plan(_matrix(lambda a, b: 0.0 if {a, b} == {0, 1} else 1e7), 10**6).is_direct
 
 
+def test_a_plan_refuses_routes_that_do_not_lead_anywhere() -> None:
+    with pytest.raises(ValueError, match="third region"):
+        ExchangePlan((1, 1, 1), ((0, 1, 2), (1, 1, 2), (0, 1, 2)))  # 1 -> 0 via itself
+    with pytest.raises(ValueError, match="weights"):
+        ExchangePlan((0, 0, 0), ExchangePlan.direct(3).routes)
+
+
 def test_piece_sizes_cover_the_shard_in_codec_blocks() -> None:
     routes = ExchangePlan.direct(3).routes
     assert ExchangePlan((5, 5, 5), routes).sizes(1000, 64) == [334, 334, 334]  # direct's
@@ -182,8 +189,11 @@ SLOW, FAST = 1e6, 1e9
 """Bytes/s pinned on the link between regions 0 and 1, and on the others."""
 
 
-def _world(rank: int, world: int, slow: bool, steps: int) -> dict[str, Any]:
-    """The same inputs through the direct and the topology exchange, on pinned links."""
+def _world(
+    rank: int, world: int, slow: bool, steps: int, fixed: ExchangePlan | None = None
+) -> dict[str, Any]:
+    """The same inputs through the direct and the topology exchange, on pinned links
+    (`fixed`: that plan throughout, never re-planned)."""
     spec = make_spec(REGIONS, 2)
     topo = Topology.of(spec, rank)
     groups = make_groups(topo, torch.device("cpu"))
@@ -191,8 +201,10 @@ def _world(rank: int, world: int, slow: bool, steps: int) -> dict[str, Any]:
     for way in ("direct", "topology"):
         codec = Codec(CodecSpec(quantize="int8", block_size=64), bytes(range(32)))
         sync = HierarchicalAllReduce(topo, groups, codec, f"run-{way}")
-        if way == "topology":
+        if way == "topology" and fixed is None:
             sync.planner = TopologyExchange(replan=3)
+        elif way == "topology":
+            sync.planner = TopologyExchange(replan=10**9, plan=fixed, exchanges=1)
         sync.probe()
         g = torch.Generator().manual_seed(rank)
         out[way] = []
@@ -233,3 +245,17 @@ def test_a_slow_link_relays_and_every_region_applies_the_same_sum_as_direct() ->
         direct = res[0]["direct"][step]
         bound = (direct - true).abs().max().item() * 4 + 1e-6
         assert (topo - true).abs().max().item() < bound  # int8's tolerance, not worse
+
+
+def test_a_region_that_aggregates_nothing_still_gets_the_same_sum() -> None:
+    # frankfurt aggregates nothing, beijing a sixth; beijing <-> frankfurt relays via 2
+    routes = ((0, 2, 2), (2, 1, 2), (0, 1, 2))
+    steps = 3
+    res = run_world(_world, REGIONS * 2, False, steps, ExchangePlan((4, 0, 20), routes))
+    assert all(res[r]["relayed"] > 0 for r in (4, 5))
+    for step in range(steps):
+        true = sum(r["x"][step] for r in res) / len(res)
+        topo = res[0]["topology"][step]
+        assert all(torch.equal(r["topology"][step], topo) for r in res)
+        bound = (res[0]["direct"][step] - true).abs().max().item() * 4 + 1e-6
+        assert (topo - true).abs().max().item() < bound
