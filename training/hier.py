@@ -23,6 +23,9 @@ With `codec.secure_aggregation` the scatter stage is `training.secagg.SecureSum`
 quantized with a scale every region agreed on and masked pairwise, so region j learns only
 the sum of piece j; the gather stage is unchanged.
 
+With `exchange: topology` the cross-region stage follows a plan agreed from the measured
+link matrix instead (training.topo_exchange): uneven pieces, relays through a third region.
+
 Payloads cross through `training.linkprobe.LinkMonitor.exchange`, which times each one into
 its link's bandwidth estimate. With `codec.adaptive` the codec of each payload is chosen
 per link from those estimates and the codec's measured speeds (training.adaptive).
@@ -42,6 +45,7 @@ from training.codec import Address, Codec
 from training.linkprobe import LinkMonitor
 from training.secagg import SecureSum, all_to_all_bytes
 from training.session import Session
+from training.topo_exchange import TopologyExchange
 from training.topology import Groups, Topology
 
 SCATTER, GATHER = 0, 1
@@ -87,6 +91,8 @@ class HierarchicalAllReduce:
     """This rank's estimates of its region's links (None: one region)."""
     adaptive: AdaptiveCodec | None = None
     """The per-link codec choice; set from codec.adaptive (training.adaptive)."""
+    planner: TopologyExchange | None = None
+    """The topology-aware exchange (training.topo_exchange; None: the direct one)."""
 
     def __post_init__(self) -> None:
         if self.codec.session is None:
@@ -191,6 +197,8 @@ class HierarchicalAllReduce:
         R, me = topo.regions, topo.region_index
         if R == 1:
             return shard.clone()
+        if self.planner is not None:
+            return self.planner.exchange(self, shard, step, bucket)
         n = shard.numel()
         pieces = torch.nn.functional.pad(shard, (0, (-n) % R)).view(R, -1)  # (R, P)
         P = pieces.shape[1]
@@ -253,6 +261,8 @@ class HierarchicalAllReduce:
         """Zero every bucket's residuals (DiLoCo at the end of its warm-up)."""
         for r in self.residuals.values():
             r.zero_()
+        if self.planner is not None:
+            self.planner.clear()
 
     def residual(self, bucket: int, piece: int) -> torch.Tensor:
         """Error-feedback residuals of a bucket: row j < R for the piece sent to region j,

@@ -31,6 +31,7 @@ from training.model import DeepSeekLM, preset
 from training.privacy import PoissonLoader, RegionPrivacy
 from training.session import Control, agree, rendezvous_store, wait_for_all
 from training.spec import LaunchSpec, metrics_endpoint
+from training.topo_exchange import TopologyExchange
 from training.topology import Groups, Topology, make_groups
 from training.torchrun import agent_store
 
@@ -193,6 +194,7 @@ def setup(
     sync = HierarchicalAllReduce(
         topo, groups, codec, spec.run_id, error_feedback=spec.codec.error_feedback
     )
+    sync.planner = TopologyExchange.for_spec(spec)  # exchange: topology (None: direct)
     sync.probe()  # every cross-region link's bandwidth and RTT (training.linkprobe)
     privacy = RegionPrivacy.for_rank(spec, topo, text, device)
     job = Job(

@@ -4,7 +4,10 @@ A link is a pair of regions. Each rank keeps an estimate of every link between i
 and a peer region: the bandwidth its own transfers get (bytes/s) and the round-trip time.
 - At start (`probe`) the region leaders measure each link over the transport the sync
   uses (their gloo cross group): a ping-pong of small messages for the RTT (the fastest
-  of PROBE_PINGS), then PROBE_BYTES both ways for the bandwidth. Pairs take turns (a
+  of PROBE_PINGS), then PROBE_BYTES both ways for the bandwidth, four times more while a
+  transfer takes under PROBE_SECONDS (up to PROBE_MAX_BYTES: a small transfer over a long
+  fast path measures TCP's slow start, not the link; the side that pings decides and tells
+  the other, so both send the same sizes). Pairs take turns (a
   round-robin tournament) so a leader measures one link at a time. The leaders send the
   numbers to their region; the L ranks of a region share its links (each cross group is
   one of L parallel flows), so every rank starts from 1/L of the probed bandwidth.
@@ -39,7 +42,12 @@ PROBE_PINGS = 5
 PROBE_BYTES = 256 * 1024
 """Bytes each side sends per bandwidth probe (0.1 s at 20 Mbit/s)."""
 PROBE_ROUNDS = 2
-"""Bandwidth probes per link; the best is kept (the first may pay connection set-up)."""
+"""Bandwidth probes per link and size; the best is kept (the first may pay connection
+set-up)."""
+PROBE_SECONDS = 0.2
+"""A bandwidth probe faster than this is repeated with four times the bytes."""
+PROBE_MAX_BYTES = 4 * 1024 * 1024
+"""The largest bandwidth probe (0.17 s at 200 Mbit/s)."""
 
 
 @dataclass
@@ -52,6 +60,9 @@ class Link:
     """Round-trip seconds from the probe (0: not probed)."""
     samples: int = 0
     """Transfers folded into `bandwidth` (the probe counts as one)."""
+    probed: float = 0.0
+    """Bytes per second the start probe measured (kept: the sync's samples of a link can
+    only underestimate it, see the module doc)."""
 
     def observe(self, nbytes: int, seconds: float, alpha: float = EWMA_ALPHA) -> None:
         """Fold in one transfer of `nbytes` that took `seconds`."""
@@ -98,6 +109,7 @@ class LinkMonitor:
             table = t.cpu()
         for j, link in self.links.items():
             link.bandwidth = float(table[j, 0]) / self.topo.cross_size  # ranks sharing it
+            link.probed = link.bandwidth
             link.rtt = float(table[j, 1])
             link.samples = 1
 
@@ -117,16 +129,31 @@ class LinkMonitor:
                 dist.send(ping, group=self.group, group_dst=dst)
             rtts.append(time.perf_counter() - t0)
         rtt = min(rtts) if first else min(rtts[1:] or rtts)  # the answerer's first waits
-        out = torch.zeros(PROBE_BYTES, dtype=torch.uint8)
+        size, best = PROBE_BYTES, 0.0
+        while True:
+            best = max(best, self._bandwidth(dst, size, rtt))
+            go = size * 4 <= PROBE_MAX_BYTES and size / best < PROBE_SECONDS
+            more = torch.tensor([go], dtype=torch.uint8)
+            if first:  # the pinger decides; both sides must send the same sizes
+                dist.send(more, group=self.group, group_dst=dst)
+            else:
+                dist.recv(more, group=self.group, group_src=dst)
+            if not more.item():
+                return best, rtt
+            size *= 4
+
+    def _bandwidth(self, dst: int, size: int, rtt: float) -> float:
+        """Bytes/s of the best of PROBE_ROUNDS transfers of `size` bytes both ways."""
+        out = torch.zeros(size, dtype=torch.uint8)
         best = 0.0
         for _ in range(PROBE_ROUNDS):
-            back = torch.empty(PROBE_BYTES, dtype=torch.uint8)
+            back = torch.empty(size, dtype=torch.uint8)
             t0 = time.perf_counter()
             works = [_irecv(back, dst, self.group), _isend(out, dst, self.group)]
             for w in works:
                 w.wait()
-            best = max(best, PROBE_BYTES / max(time.perf_counter() - t0 - rtt / 2, 1e-6))
-        return best, rtt
+            best = max(best, size / max(time.perf_counter() - t0 - rtt / 2, 1e-6))
+        return best
 
     # -- during the run ---------------------------------------------------------------
     def exchange(self, payloads: list[bytes]) -> list[bytes]:

@@ -110,6 +110,7 @@ def validate(spec: LaunchSpec) -> FaultToleranceSpec:
         adaptive=spec.codec.adaptive is not None,
         balance=spec.balance == "throughput",
         uneven=len({sum(n.nprocs for n in r.nodes) for r in spec.regions}) > 1,
+        topology=spec.exchange == "topology",
     )
     if conflict:
         raise SpecError(f"fault_tolerance {conflict}")

@@ -42,6 +42,7 @@ Quantize = Literal["none", "fp16", "bf16", "int8", "int4"]
 Cipher = Literal["sm4-gcm", "aes-gcm", "none"]
 SyncMode = Literal["allreduce", "diloco"]
 Balance = Literal["off", "throughput"]
+Exchange = Literal["direct", "topology"]
 
 
 @dataclass(frozen=True, config=_STRICT)
@@ -287,6 +288,10 @@ class LaunchSpec:
     """Steps measured before the throughput balance assigns batches."""
     codec: CodecSpec = field(default_factory=CodecSpec)
     """Cross-region codec."""
+    exchange: Exchange = "direct"
+    """topology: pieces and relays planned from the measured links (training.topo_exchange)."""
+    exchange_replan: Count = 20
+    """topology: cross-region exchanges (bucket syncs) between two agreed plans."""
     diloco: DilocoSpec = field(default_factory=DilocoSpec)
     """Periodic merge settings."""
     checkpoint: CheckpointSpec = field(default_factory=CheckpointSpec)
@@ -417,6 +422,7 @@ def fault_tolerance_conflict(
     balance: bool,
     uneven: bool,
     kubernetes: bool = False,
+    topology: bool = False,
 ) -> str | None:
     """Why fault_tolerance cannot run with the rest of a stack or spec (None: it can); the
     stack check (infra.model.fault_tolerance) and the spec's (training.quorum) share it."""
@@ -430,6 +436,7 @@ def fault_tolerance_conflict(
         "compression.adaptive": adaptive,
         "balance: throughput": balance,
         "regions of different worker counts": uneven,
+        "exchange: topology": topology,
         "kubernetes pools (no Lighthouse or per-region restart is rendered for pods)": (kubernetes),
     }
     for key, on in agreed.items():
@@ -440,6 +447,23 @@ def fault_tolerance_conflict(
         if on:
             why = "the quorum loop does not run it"
             return f"cannot be combined with {key} yet ({why}); turn one of them off"
+    return None
+
+
+def exchange_conflict(*, secure_aggregation: bool, adaptive: bool) -> str | None:
+    """Why `exchange: topology` cannot run with the rest of a stack or spec (None: it can);
+    the stack check (infra.model.checks) and the launch spec's
+    (training.topo_exchange) share it."""
+    if secure_aggregation:
+        return (
+            "cannot be combined with secure_aggregation yet (its masked stage sums equal "
+            "pieces sent directly); set exchange: direct, or turn secure_aggregation off"
+        )
+    if adaptive:
+        return (
+            "cannot be combined with compression.adaptive yet (its codec is chosen per direct "
+            "link, a relayed payload crosses two); set exchange: direct, or drop adaptive"
+        )
     return None
 
 

@@ -10,7 +10,7 @@ from infra.model.gpus import GPU_TYPES
 from infra.model.schema import StackModel
 from infra.plan.names import WORKER_HOST_OFFSET, ifname
 from training.errors import ConfigError
-from training.spec import adaptive_problems
+from training.spec import adaptive_problems, exchange_conflict
 
 SINGLE_MACHINE_KINDS = ("local", "lab")
 
@@ -409,7 +409,19 @@ def _training(m: StackModel, source: str) -> None:
     _streaming(m, source)
     _secure_aggregation(m, source)
     _adaptive(m, source)
+    _exchange(m, source)
     fault_tolerance.check(m, source)
+
+
+def _exchange(m: StackModel, source: str) -> None:
+    c = m.training.compression
+    if m.training.exchange != "topology":
+        return
+    conflict = exchange_conflict(
+        secure_aggregation=c.secure_aggregation, adaptive=c.adaptive is not None
+    )
+    if conflict:
+        raise _err(source, "training.exchange", f"topology {conflict}")
 
 
 def _adaptive(m: StackModel, source: str) -> None:

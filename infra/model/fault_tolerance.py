@@ -102,6 +102,7 @@ def check(m: StackModel, source: str) -> None:
         balance=t.balance == "throughput",
         uneven=len({sum(n.gpus for n in r.pool.nodes) for r in m.regions}) > 1,
         kubernetes=any(r.pool.kind == "kubernetes" for r in m.regions),
+        topology=t.exchange == "topology",
     )
     if conflict:
         raise ConfigError(source, where, conflict)

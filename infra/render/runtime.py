@@ -73,6 +73,8 @@ def render_launch_spec(plan: Plan) -> LaunchSpec:
         bucket_mb=t.bucket_mb,
         balance=t.balance,
         balance_steps=t.balance_steps,
+        exchange=t.exchange,
+        exchange_replan=t.exchange_replan,
         codec=CodecSpec(
             quantize=c.quantize,
             block_size=c.block_size,

@@ -129,6 +129,7 @@ def test_a_lighthouse_on_an_unknown_place_or_too_many_replicas_is_a_config_error
         ({"sync": "diloco", "diloco": {"inner_steps": 4, "tau": 1}}, "streaming DiLoCo"),
         ({"compression": {"quantize": "int8", "adaptive": {}}}, "compression.adaptive"),
         ({"balance": "throughput"}, "balance: throughput"),
+        ({"exchange": "topology"}, "exchange: topology"),
     ],
 )
 def test_settings_only_the_main_loop_runs_are_refused_with_fault_tolerance(
