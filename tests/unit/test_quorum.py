@@ -144,9 +144,10 @@ def test_settings_only_the_main_loop_runs_are_refused_with_fault_tolerance(
 
 def test_the_launcher_of_the_lighthouse_node_hosts_it_and_no_other_launcher_does() -> None:
     spec = make_spec(2, 1, fault_tolerance=replace(FT, lighthouse="127.0.0.1:0", min_replicas=1))
-    with lighthouse_for(spec, {"10.9.0.1"}) as elsewhere:
+    other = replace(spec.regions[0].nodes[0], host="10.9.0.1")
+    with lighthouse_for(spec, [other], Path("spec.json")) as elsewhere:
         assert elsewhere is None
-    with lighthouse_for(spec, {"127.0.0.1"}) as addr:
+    with lighthouse_for(spec, spec.regions[0].nodes, Path("spec.json")) as addr:
         assert addr is not None and addr.startswith("127.0.0.1:")
         host, port = addr.rsplit(":", 1)
         socket.create_connection((host, int(port)), timeout=5).close()
@@ -200,14 +201,27 @@ def test_a_failed_region_restarts_alone_while_the_other_trains_on(
     assert (_starts(tmp_path, "n0"), _starts(tmp_path, "n1")) == (1, 2)
 
 
-def test_quorum_lost_ends_the_attempt_of_every_region(
+def test_a_region_that_lost_its_quorum_restarts_alone_while_the_others_train_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A region cut off loses its quorum (exit 3) while the majority trains on: one
+    launcher running every region must not stop the others with it."""
+    spec = make_spec(2, 1, fault_tolerance=FT, max_restarts=2)
+    _fake_workers(monkeypatch, tmp_path, {"n0": [0], "n1": [3, 0]})
+    nodes = [n for r in spec.regions for n in r.nodes]
+    attempt = run_regions(spec, tmp_path / "spec.json", nodes, dict(os.environ), tmp_path / "logs")
+    assert attempt.rc == 0
+    assert (_starts(tmp_path, "n0"), _starts(tmp_path, "n1")) == (1, 2)
+
+
+def test_bad_input_ends_the_attempt_of_every_region(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     spec = make_spec(2, 1, fault_tolerance=FT, max_restarts=2)
-    _fake_workers(monkeypatch, tmp_path, {"n0": [0], "n1": [3]})
+    _fake_workers(monkeypatch, tmp_path, {"n0": [0], "n1": [2]})
     nodes = [n for r in spec.regions for n in r.nodes]
     attempt = run_regions(spec, tmp_path / "spec.json", nodes, dict(os.environ), tmp_path / "logs")
-    assert (attempt.rc, attempt.failed) == (3, "n1/0")
+    assert (attempt.rc, attempt.failed) == (2, "n1/0")
     assert _starts(tmp_path, "n1") == 1
 
 
