@@ -27,9 +27,9 @@ from training.errors import ConfigError, SpecError, TransientReject
 from training.ft_launch import run_regions
 from training.heal import SealedTransport, seal, unseal
 from training.metrics import RuntimeMetrics
-from training.quorum import lighthouse_for, validate, view
+from training.quorum import arrived, lighthouse_for, validate, view
 from training.spec import AdaptiveSpec, CodecSpec, FaultToleranceSpec, LaunchSpec, listeners
-from training.testing import make_spec
+from training.testing import make_spec, run_world
 from training.topology import Topology
 
 QUORUM_SERVICES = {"lighthouse", "region-store", "torchft-manager", "heal"}
@@ -248,3 +248,28 @@ def test_top_shows_the_quorum_size_and_the_regions_it_leaves_out() -> None:
     out = format_top({"beijing": v})
     assert out.splitlines()[0].endswith("quorum") and out.splitlines()[1].endswith("2")
     assert out.splitlines()[-1] == "left out of the training quorum: frankfurt"
+
+
+def _late_member(rank: int, world: int, meet: bool) -> str:
+    """Rank 1 arrives 3 s late at a group whose collectives time out after 1 s (a member
+    healing into a new quorum); rank 0 waits at `arrived` or at a plain barrier."""
+    import time
+
+    import torch.distributed as dist
+
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=1))
+    if rank == 1:
+        time.sleep(3)  # the heal: the donor's state crossing the WAN
+    try:
+        arrived(group, 30) if meet else group.barrier().wait()
+    except RuntimeError as e:
+        return f"failed: {e}"[:80]
+    x = torch.ones(2)
+    dist.all_reduce(x, group=group)
+    return f"ok {x.tolist()}"
+
+
+def test_a_member_healing_longer_than_timeout_s_still_meets_the_others() -> None:
+    assert run_world(_late_member, 2, True) == ["ok [2.0, 2.0]"] * 2
+    # the group's own timeout: the others give up while it heals
+    assert run_world(_late_member, 2, False)[0].startswith("failed")
