@@ -19,7 +19,7 @@ from infra.plan import Plan
 from infra.render import render_alert_rules, render_alertmanager, render_prometheus
 from infra.render.monitoring import RULES_FILE
 from training import metric_names as mn
-from training.metrics import QUORUM_EXCLUDED, QUORUM_REGIONS
+from training.metric_names import QUORUM_EXCLUDED, QUORUM_REGIONS
 from training.spec import metrics_port
 
 INSTALL_HINT = (
@@ -164,7 +164,7 @@ def _fold(v: RegionView, text: str) -> None:
 
 
 def _fold_quorum(v: RegionView, text: str) -> None:
-    """fault_tolerance series (training.metrics.QUORUM_*): quorum size and excluded regions."""
+    """fault_tolerance series (training.metric_names.QUORUM_*): quorum size and excluded regions."""
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
             if s.name == QUORUM_REGIONS:

@@ -4,9 +4,13 @@ worker dies is restarted alone while the others train on.
 `training.launch.run_group` stops every worker on the first failure (a collective cannot
 finish without it). With regions as replica groups, only the failed worker's region is
 stopped and started again (up to `max_restarts` times per region); it rejoins and heals
-from a live peer. Exit 2 (bad input, a hostile reject) and 3 (QuorumLost: the majority
-is gone) still end the attempt for the whole group, which then restarts from the
-checkpoints as before.
+from a live peer. That includes exit 3 (QuorumLost): a region cut off from the others (or
+from the Lighthouse) loses its quorum while the majority trains on, and one launcher may
+run every region (`geotrain train` on a lab stack), so the others must not stop with it;
+it restarts from its checkpoints and heals once it reaches a quorum again. When the
+majority is gone every region loses its quorum and restarts alike, which is the
+whole-job restart from checkpoints. Exit 2 (bad input, a hostile reject) still ends the
+attempt for the whole group.
 """
 
 from __future__ import annotations
@@ -19,8 +23,8 @@ from pathlib import Path
 from training import launch
 from training.spec import LaunchSpec, NodeSpec
 
-WHOLE_GROUP = (2, 3)
-"""Exit codes that end the attempt of every region (bad input or hostile; QuorumLost)."""
+WHOLE_GROUP = (2,)
+"""Exit codes that end the attempt of every region (bad input or hostile)."""
 FINISH_GRACE_S = 30.0
 """Once a region finished the run, the others get this long to finish too. A region that
 is still running after it, or fails, came back too late to rejoin (nobody is left to heal

@@ -75,7 +75,7 @@ def worker_command(spec_path: Path, node: NodeSpec, local_rank: int) -> list[str
     return cmd
 
 
-def _die_with(launcher: int) -> Callable[[], None]:
+def die_with(launcher: int) -> Callable[[], None]:
     """preexec_fn: the kernel sends SIGKILL to the child when the launcher dies. The
     setting survives exec, including `ip netns exec`'s (which execs the worker in place);
     a launcher that died before it was set is caught by the parent check."""
@@ -99,7 +99,7 @@ def spawn(cmd: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[by
             stderr=subprocess.STDOUT,
             start_new_session=True,
             # preexec_fn is safe here: the launcher runs no other threads while it forks
-            preexec_fn=_die_with(os.getpid()),
+            preexec_fn=die_with(os.getpid()),
         )
 
 
@@ -171,13 +171,13 @@ def launch(
         signal.signal(sig, _exit_on_signal)
     result = LaunchResult()
     forget_records_of_fresh_roots(spec, nodes, run_dir)
-    with _lighthouse(spec, nodes):
+    with _lighthouse(spec, spec_path, nodes):
         _attempts(spec, spec_path, nodes, run_dir, result, on_poll, on_restart)
     return result
 
 
 def _lighthouse(
-    spec: LaunchSpec, nodes: list[NodeSpec]
+    spec: LaunchSpec, spec_path: Path, nodes: list[NodeSpec]
 ) -> contextlib.AbstractContextManager[object]:
     """fault_tolerance: the Lighthouse, hosted by the launcher of the node it is placed on."""
     if spec.fault_tolerance is None:
@@ -186,7 +186,7 @@ def _lighthouse(
     os.environ.setdefault("RUST_LOG", "warn")
     from training.quorum import lighthouse_for  # imports torchft: only when it is on
 
-    return lighthouse_for(spec, {n.host for n in nodes})
+    return lighthouse_for(spec, nodes, spec_path)
 
 
 def _attempts(

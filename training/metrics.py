@@ -28,15 +28,6 @@ from training.errors import GeotrainError
 LABELS = ("region", "node", "rank")
 BYTES_PER_VALUE = {"none": 4.0, "fp16": 2.0, "bf16": 2.0, "int8": 1.0, "int4": 0.5}
 """Bytes per value of each quantizer before zstd (the adaptive codec's gauge)."""
-QUORUM_REGIONS = "geotrain_quorum_regions"
-"""Regions in this rank's current quorum (fault_tolerance, training.quorum); absent without.
-Kept out of training.metric_names until alert rules with fault fixtures cover them."""
-QUORUM_EXCLUDED = "geotrain_quorum_excluded"
-"""1 for each region (label excluded_region) the current quorum leaves out, else 0."""
-HEALS = "geotrain_heals_total"
-"""Times this rank healed from a live peer (fault_tolerance)."""
-QUORUM_FAILED_ROUNDS = "geotrain_quorum_failed_rounds_total"
-"""Cross-region rounds voted down (a peer died mid-round) and run again (fault_tolerance)."""
 
 
 class _Tap:
@@ -131,19 +122,19 @@ class RuntimeMetrics:
             mn.PRIVACY_EPSILON_TARGET, "Target epsilon of this region", LABELS, registry=r
         )
         self._quorum_regions = Gauge(
-            QUORUM_REGIONS, "Regions in the current quorum", LABELS, registry=r
+            mn.QUORUM_REGIONS, "Regions in the current quorum", LABELS, registry=r
         )  # the four quorum series: no child without fault_tolerance
         self._quorum_excluded = Gauge(
-            QUORUM_EXCLUDED,
+            mn.QUORUM_EXCLUDED,
             "1 for a region the current quorum leaves out",
             (*LABELS, "excluded_region"),
             registry=r,
         )
         self._heals = Counter(
-            HEALS.removesuffix("_total"), "Heals from a live peer", LABELS, registry=r
+            mn.HEALS.removesuffix("_total"), "Heals from a live peer", LABELS, registry=r
         )
         self._failed_rounds = Counter(
-            QUORUM_FAILED_ROUNDS.removesuffix("_total"),
+            mn.QUORUM_FAILED_ROUNDS.removesuffix("_total"),
             "Cross-region rounds voted down and run again",
             LABELS,
             registry=r,

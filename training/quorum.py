@@ -31,9 +31,9 @@ and heals from a live peer (`fault_tolerance` in the launch spec).
   weights, inner optimizer, DiLoCo global weights and outer optimizer, counters, and the
   phase the donor is in (before a step, or at a merge). A region healed into a merge
   contributes nothing to that merge (its pseudo-gradient would duplicate the donor's).
-- **Fewer than `min_replicas`** regions: the quorum times out, the survivors stop with
-  QuorumLost (exit 3) and the whole job restarts from its checkpoints; a region that
-  resumes behind the others heals from the furthest one.
+- **Fewer than `min_replicas`** regions, or a region cut off: its quorum times out, it
+  stops with QuorumLost (exit 3) and restarts from its checkpoints (training.ft_launch);
+  a region that resumes behind the others heals from the furthest one.
 """
 
 from __future__ import annotations
@@ -45,6 +45,8 @@ import hmac
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -68,12 +70,14 @@ from training.heal import SealedTransport
 from training.hier import HierarchicalAllReduce, SyncStats
 from training.secagg import all_to_all_bytes
 from training.session import Session, derive, rendezvous_store, run_tag
-from training.spec import FaultToleranceSpec, LaunchSpec, fault_tolerance_conflict
+from training.spec import FaultToleranceSpec, LaunchSpec, NodeSpec, fault_tolerance_conflict
 from training.topology import Groups, Topology
 
 T = TypeVar("T")
 STEP, MERGE = "step", "merge"
 """Where a round starts: before a step's forward pass, or at a DiLoCo merge."""
+LIGHTHOUSE_READY = "geotrain lighthouse: "
+"""First line of `python -m training.quorum lighthouse`, once it listens: then its address."""
 REPLICA_PREFIX = "region"
 """Replica group ids are `region<index>`: torchft reads the trailing digits as the index."""
 
@@ -343,7 +347,7 @@ class Quorum:
             # gloo reports a closed peer or a timeout as RuntimeError; c10d's logging
             # wrapper turns it into ValueError for groups outside its map (torchft's)
             except (RuntimeError, ValueError, OSError, TransientReject) as e:
-                self.manager.report_error(e)
+                self.manager.report_error(_cause(e))
             if self.manager.should_commit():
                 self.begun = False
                 self.healed_phase = None
@@ -357,6 +361,9 @@ class Quorum:
             return self.sync
         L = self.topo.local_size
         members = [r // L for r in self.pg.ranks]
+        ft = self.spec.fault_tolerance
+        assert ft is not None
+        arrived(self.pg.parent, ft.quorum_timeout_s)
         session, healers = agree_quorum(self.key, self.spec.run_id, self, members)
         # a healer takes its donor's phase: every member counts the same contributors
         phase = self.healed_phase or self.phase
@@ -383,6 +390,26 @@ class Quorum:
     def shutdown(self) -> None:
         self.manager.shutdown(wait=False)
         self.transport.shutdown()
+
+
+def arrived(group: Any, seconds: float) -> None:
+    """A barrier on a new quorum's group that waits up to `seconds` (the quorum timeout),
+    not the group's `timeout_s`: a member healing into the quorum arrives only once the
+    donor's state has crossed the WAN, which can take longer than `timeout_s` (a sealed
+    copy of weights and optimizer state). Without it the others time out while it heals,
+    the next quorum forms without it, it is behind again and heals again, every round.
+    A member that dies closes its connections and fails the barrier at once."""
+    opts = dist.BarrierOptions()
+    opts.timeout = timedelta(seconds=seconds)
+    group.barrier(opts).wait()
+
+
+def _cause(e: Exception) -> Exception:
+    """The error a round failed with. c10d's logging wrapper, logging the real error of a
+    collective on a group outside its map, raises ValueError ("not initialized in the
+    world group map") with the real one as its context: that one says what happened."""
+    real = e.__context__
+    return real if isinstance(e, ValueError) and isinstance(real, Exception) else e
 
 
 def agree_quorum(key: bytes, run_id: str, q: Quorum, members: list[int]) -> tuple[Session, int]:
@@ -461,28 +488,69 @@ def region_checkpointer(
 
 # -- the lighthouse process -----------------------------------------------------------
 @contextlib.contextmanager
-def lighthouse_for(spec: LaunchSpec, hosts: set[str]) -> Iterator[str | None]:
-    """Host the run's Lighthouse in this (launcher) process for the block when the stack
-    placed it on one of `hosts` (the nodes this launcher runs): it outlives every restart
-    of the workers. Yields its address, or None when it runs elsewhere (or is off)."""
+def lighthouse_for(
+    spec: LaunchSpec, nodes: list[NodeSpec], spec_path: Path
+) -> Iterator[str | None]:
+    """Host the run's Lighthouse for the block when the stack placed it on one of `nodes`
+    (the nodes this launcher runs): it outlives every restart of the workers. In this
+    (launcher) process, or, for a lab node, in a process inside the node's namespace
+    (the address exists only there). Yields its address, or None when it runs elsewhere
+    (or is off)."""
     ft = spec.fault_tolerance
-    if ft is None or ft.lighthouse.rpartition(":")[0] not in hosts:
+    host = ft.lighthouse.rpartition(":")[0] if ft is not None else None
+    node = next((n for n in nodes if n.host == host), None)
+    if ft is None or node is None:
         yield None
         return
-    server = start_lighthouse(validate(spec))
+    validate(spec)
+    if node.netns:
+        with _lighthouse_in(node.netns, spec_path) as addr:
+            yield addr
+        return
+    server = start_lighthouse(ft)
     try:
         yield advertised(ft, server)
     finally:
         server.shutdown()
 
 
+@contextlib.contextmanager
+def _lighthouse_in(netns: str, spec_path: Path) -> Iterator[str]:
+    """`python -m training.quorum lighthouse` inside `netns`, until the block ends (it
+    dies with this process too); yields the address it printed once it listens."""
+    from training.launch import die_with
+
+    cmd = [sys.executable, "-m", "training.quorum", "lighthouse", "--spec", str(spec_path)]
+    p = subprocess.Popen(
+        ["ip", "netns", "exec", netns, *cmd],
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        preexec_fn=die_with(os.getpid()),  # as in training.launch.spawn
+    )
+    try:
+        assert p.stdout is not None
+        line = p.stdout.readline()
+        if not line.startswith(LIGHTHOUSE_READY):
+            raise SpecError(
+                f"the Lighthouse in namespace {netns} did not start (exit {p.wait()}); "
+                "is the lab up?"
+            )
+        yield line.removeprefix(LIGHTHOUSE_READY).split()[0]
+    finally:
+        p.terminate()
+        try:
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
 def serve_lighthouse(spec: LaunchSpec) -> None:
     """Run the Lighthouse until SIGTERM/SIGINT."""
     ft = validate(spec)
     server = start_lighthouse(ft)
-    print(
-        f"geotrain lighthouse: {advertised(ft, server)} min_replicas={ft.min_replicas}", flush=True
-    )
+    print(f"{LIGHTHOUSE_READY}{advertised(ft, server)} min_replicas={ft.min_replicas}", flush=True)
     stop = False
 
     def done(*_: Any) -> None:

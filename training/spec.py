@@ -241,11 +241,12 @@ class FaultToleranceSpec:
     """host:port the Lighthouse binds and every region dials (an overlay or loopback
     address, never a hostname default)."""
     min_replicas: Count
-    """Regions a quorum needs; fewer and the survivors stop (exit 3: whole-job restart)."""
+    """Regions a quorum needs; a region that finds fewer stops (exit 3) and restarts."""
     store_port: Annotated[int, Field(ge=1, le=65535)] = 29600
     """Region i's rendezvous store listens on its first node's host at store_port + i."""
-    join_timeout_s: Positive = 2.0
-    """How long the Lighthouse waits for every live region before it forms a smaller quorum."""
+    join_timeout_s: Positive = 30.0
+    """How long the Lighthouse waits for a live region before a smaller quorum (a round
+    plus a heal; see infra.model.fault_tolerance)."""
     heartbeat_timeout_s: Positive = 5.0
     """A region whose Manager is silent this long is left out of the next quorum."""
     timeout_s: Positive = 30.0

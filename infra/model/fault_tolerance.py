@@ -31,8 +31,12 @@ class FaultTolerance(BaseModel):
     """Region i's rendezvous store listens on its first node at store_port + i."""
     heartbeat_timeout_s: float = Field(default=5.0, gt=0)
     """A region silent this long is left out of the next quorum."""
-    join_timeout_s: float = Field(default=2.0, gt=0)
-    """How long the Lighthouse waits for every live region before a smaller quorum."""
+    join_timeout_s: float = Field(default=30.0, gt=0)
+    """How long the Lighthouse waits for a live (heartbeating) region before a smaller
+    quorum. At least a round plus a heal: torchft counts it from the first region that
+    asks, so when a left-out region waits longer, the next quorum forms the moment a second
+    region asks, leaving out the third, which is then behind and heals, every round. A
+    dead or cut-off region's heartbeat stops: nobody waits for it."""
     timeout_s: float = Field(default=30.0, gt=0)
     """Cross-region collectives and heals: a dead peer fails a round after at most this."""
     quorum_timeout_s: float = Field(default=600.0, gt=0)

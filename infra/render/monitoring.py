@@ -42,6 +42,15 @@ STALL_FLOOR_S = 600
 restarted rank's first steps."""
 THROUGHPUT_FLOOR = 0.1
 """Throughput "collapsed" = below 10% of its own recent average."""
+EXCLUDED = (
+    f"max by (region) (label_replace({mn.QUORUM_EXCLUDED}, "
+    '"region", "$1", "excluded_region", "(.+)"))'
+)
+"""1 for a region some rank's quorum leaves out, labelled with that region (not the
+reporting rank's): GeotrainRegionDown of the same region then inhibits its alert."""
+HEALS_PER_HOUR = 4
+"""Heals of one region in an hour that alert: one per rejoin is normal, this many is a
+region that keeps falling out of the quorum."""
 
 
 # -- cadence and windows ---------------------------------------------------------------
@@ -102,6 +111,8 @@ class AlertRule:
     """The alert's inner selector: returns data on any live run (the live scrape test)."""
     needs_gpu: bool = False
     """The probe has data only where GPUs are."""
+    runbook: str = ""
+    """Runbook annotation: what it means, where to look, the fix (no templates)."""
 
 
 def gpu_selector(plan: Plan) -> str:
@@ -185,7 +196,83 @@ def alert_rules(plan: Plan) -> list[AlertRule]:
             "event log.",
             f"sum by (region) ({mn.REJECTED})",
         ),
+        *quorum_rules(plan),
     ]
+
+
+def quorum_rules(plan: Plan) -> list[AlertRule]:
+    """fault_tolerance runs only (the series exist only there): a region left out of the
+    quorum, a quorum with no region to spare, a region that keeps healing."""
+    ft = plan.training.fault_tolerance
+    if ft is None:
+        return []
+    R = len(plan.regions)
+    # the quorum can hold min_replicas regions at the least; with min_replicas = R it never
+    # shrinks (a lost region stops every region), so R - 1 never matches
+    floor = min(ft.replicas(R), R - 1)
+    size = f"min by (region) ({mn.QUORUM_REGIONS})"
+    out = EXCLUDED
+    heals = f"sum by (region) (increase({mn.HEALS}[1h]))"
+    return [
+        AlertRule(
+            "GeotrainRegionOutOfQuorum",
+            f"{out} == 1",
+            "15m",
+            "warning",
+            "Region {{ $labels.region }} has been left out of the training quorum for 15 "
+            "minutes: the others train on without its data.",
+            out,
+            runbook=RUNBOOK_OUT_OF_QUORUM,
+        ),
+        AlertRule(
+            "GeotrainQuorumAtMinimum",
+            f"{size} <= {floor}",
+            "5m",
+            "critical",
+            "The training quorum seen from {{ $labels.region }} holds "
+            f"{floor} of {R} regions (min_replicas {ft.replicas(R)}): one more region lost "
+            "and every region stops.",
+            size,
+            runbook=RUNBOOK_AT_MINIMUM,
+        ),
+        AlertRule(
+            "GeotrainRegionHealingRepeatedly",
+            f"{heals} >= {HEALS_PER_HOUR}",
+            "0m",
+            "warning",
+            "Region {{ $labels.region }} healed from a live peer "
+            f"{HEALS_PER_HOUR} or more times in an hour.",
+            heals,
+            runbook=RUNBOOK_HEALING,
+        ),
+    ]
+
+
+RUNBOOK_OUT_OF_QUORUM = (
+    "What: the Lighthouse forms every quorum without this region; the others train on and "
+    "it contributes nothing. Where: the `quorum` events of the run (excluded), `geotrain "
+    "top`, the region's worker logs (QuorumLost, exit 3, restarts). Fix: when its workers "
+    "are down, GeotrainRegionDown fires too; when they run, check its links (`wg show`, "
+    "`vtysh -c 'show bfd peers'` on its gateway) and that its nodes reach the Lighthouse "
+    "(geotrain:training.fault_tolerance.lighthouse). It heals and rejoins by itself once it "
+    "reaches a quorum; after max_restarts QuorumLost exits its launcher gives up: start "
+    "`geotrain launch` on its nodes again."
+)
+RUNBOOK_AT_MINIMUM = (
+    "What: the quorum has no region to spare; one more lost and every region stops with "
+    "QuorumLost (exit 3) and restarts from its checkpoints. Where: GeotrainRegionOutOfQuorum "
+    "names the regions out, the `quorum` events list the members. Fix: bring the regions "
+    "out back (their workers, links, the path to the Lighthouse); until then make sure "
+    "GeotrainCheckpointStale is silent, checkpoints are the fallback."
+)
+RUNBOOK_HEALING = (
+    "What: the region keeps falling behind and copying the whole state from a peer over "
+    "the WAN (one heal per rejoin is normal). Where: the `healed` and `quorum` events (the "
+    "members alternate between rounds). Fix: when the quorums alternate, raise "
+    "geotrain:training.fault_tolerance.join_timeout_s above a round plus a heal (torchft "
+    "forms the next quorum without a region that lags longer); otherwise a flapping link "
+    "(BFD on its gateway) or workers that keep restarting (the restarts panel)."
+)
 
 
 def render_alert_rules(plan: Plan) -> str:
@@ -195,7 +282,7 @@ def render_alert_rules(plan: Plan) -> str:
             "expr": r.expr,
             "for": r.for_,
             "labels": {"severity": r.severity},
-            "annotations": {"summary": r.summary},
+            "annotations": _annotations(r),
         }
         for r in alert_rules(plan)
     ]
@@ -205,6 +292,10 @@ def render_alert_rules(plan: Plan) -> str:
         sort_keys=False,
         width=1 << 20,  # one line per expression
     )
+
+
+def _annotations(r: AlertRule) -> dict[str, str]:
+    return {"summary": r.summary, **({"runbook": r.runbook} if r.runbook else {})}
 
 
 # -- Prometheus ------------------------------------------------------------------------
@@ -532,6 +623,25 @@ PRIVACY_PANELS: tuple[tuple[str, list[tuple[str, str]], str], ...] = (
     ),
 )
 """The epsilon-spent panel (regions without DP have no series, so no line)."""
+QUORUM_PANELS: tuple[tuple[str, list[tuple[str, str]], str], ...] = (
+    (
+        "Quorum size and regions left out",
+        [
+            (f"min by (region) ({mn.QUORUM_REGIONS})", "{{region}} sees"),
+            (f"{EXCLUDED} == 1", "{{region}} left out"),
+        ],
+        "none",
+    ),
+    (
+        "Heals and failed rounds (1h)",
+        [
+            (f"sum by (region) (increase({mn.HEALS}[1h]))", "{{region}} heals"),
+            (f"sum by (region) (increase({mn.QUORUM_FAILED_ROUNDS}[1h]))", "{{region}} failed"),
+        ],
+        "none",
+    ),
+)
+"""fault_tolerance (runs without it have no series, so no line)."""
 
 
 def _region_panels(plan: Plan) -> tuple[tuple[str, list[tuple[str, str]], str], ...]:
@@ -569,6 +679,7 @@ def render_dashboard(plan: Plan) -> str:
     ]
     if PRIVACY_PANELS:
         rows.append(("Privacy", PRIVACY_PANELS, None))
+    rows.append(("Quorum (fault tolerance)", QUORUM_PANELS, None))
     panels: list[dict[str, Any]] = []
     y = 0
     for title, specs, repeat in rows:
@@ -879,7 +990,30 @@ def _region_series(plan: Plan, region: str, run: _Run, fault: _Fault | None) -> 
         (f"{mn.GPU_UTIL}{{{gpu_lab}}}", cols["gpu"]),
         (f"{mn.LOSS}{{{lab}}}", cols["loss"]),
         (f"{mn.REJECTED}{{{lab}}}", cols["rejected"]),
+        *_quorum_series(plan, region, lab, run, fault),
     ]
+
+
+def _quorum_series(plan: Plan, region: str, lab: str, run: _Run, fault: _Fault | None) -> list[Any]:
+    """fault_tolerance: every region in the quorum, no heal. The faults: the first region
+    left out (the others report it), this region's quorum at the floor, a heal every 5
+    minutes."""
+    if plan.training.fault_tolerance is None:
+        return []
+    R = len(plan.regions)
+    f, at = (fault.alert, fault.at) if fault else ("", run.minutes + 1)
+    ms = range(run.minutes + 1)
+    floor = min(plan.training.fault_tolerance.replicas(R), R - 1)
+    size = [floor if f == "GeotrainQuorumAtMinimum" and m >= at else R for m in ms]
+    heal = f == "GeotrainRegionHealingRepeatedly"
+    heals = [(m - at) // 5 + 1 if heal and m >= at else 0 for m in ms]
+    rows: list[Any] = [(f"{mn.QUORUM_REGIONS}{{{lab}}}", size), (f"{mn.HEALS}{{{lab}}}", heals)]
+    for other in plan.regions:
+        first = plan.regions[0].name
+        out = f == "GeotrainRegionOutOfQuorum" and other.name == first != region
+        sel = f'{mn.QUORUM_EXCLUDED}{{{lab},excluded_region="{other.name}"}}'
+        rows.append((sel, [int(out and m >= at) for m in ms]))
+    return rows
 
 
 def _values(vals: list[float | None]) -> str:
@@ -910,6 +1044,8 @@ def _fire_window(plan: Plan, rule: AlertRule, run: _Run, at: int) -> tuple[int, 
         start = math.floor((last + w.checkpoint_stale_s) / 60) + 1
     elif rule.name == "GeotrainCrossRegionThroughputCollapsed":
         start = math.ceil(min(s for s in run.syncs if s >= at * 60) / 60)
+    elif rule.name == "GeotrainRegionHealingRepeatedly":
+        start = at + 5 * (HEALS_PER_HOUR - 1)  # the heal that makes HEALS_PER_HOUR
     else:
         start = at
     return start - 1, start + for_m + 2
@@ -922,7 +1058,7 @@ def _expected(plan: Plan, rule: AlertRule, region: str) -> list[dict[str, Any]]:
         labels.update({"job": RUNTIME_JOB, "node": node, "rank": "0"})
     summary = rule.summary.replace("{{ $labels.region }}", region)
     summary = summary.replace("{{ $labels.node }}", labels.get("node", ""))
-    return [{"exp_labels": labels, "exp_annotations": {"summary": summary}}]
+    return [{"exp_labels": labels, "exp_annotations": {**_annotations(rule), "summary": summary}}]
 
 
 def render_alert_tests(plan: Plan) -> str:
@@ -935,7 +1071,9 @@ def render_alert_tests(plan: Plan) -> str:
     def case(fault: _Fault | None, checks: list[dict[str, Any]]) -> dict[str, Any]:
         series = []
         for r in regions:
-            own = fault if r == regions[0] else None
+            # a region left out is reported by the others
+            others = fault is not None and fault.alert == "GeotrainRegionOutOfQuorum"
+            own = fault if r == regions[0] or others else None
             series += [
                 {"series": s, "values": _values(v)} for s, v in _region_series(plan, r, run, own)
             ]

@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from infra.model import load_stack
+from infra.model.fault_tolerance import FaultTolerance
 from infra.plan import Plan, build_plan
 from infra.render import alert_rules, alert_windows, render_alert_rules, render_alert_tests
 from infra.render.monitoring import RULES_FILE, RULES_TEST_FILE
@@ -46,7 +47,24 @@ PLANS = {
         "global", monitoring={"gpu_metrics": "runtime"}
     ),
     "local (diloco every 10 min)": lambda: _diloco("local", interval_minutes=10),
+    "lab (allreduce, fault tolerance)": lambda: _variant(
+        "lab", fault_tolerance=FaultTolerance(lighthouse="frankfurt")
+    ),
+    "local (diloco every 50 steps, fault tolerance, min_replicas 1)": lambda: _ft_diloco(),
 }
+QUORUM_ALERTS = {
+    "GeotrainRegionOutOfQuorum",
+    "GeotrainQuorumAtMinimum",
+    "GeotrainRegionHealingRepeatedly",
+}
+
+
+def _ft_diloco() -> Plan:
+    m = load_stack("local")
+    d = m.training.diloco.model_copy(update={"inner_steps": 50, "interval_minutes": None})
+    ft = FaultTolerance(lighthouse="beijing", min_replicas=1)
+    t = m.training.model_copy(update={"sync": "diloco", "diloco": d, "fault_tolerance": ft})
+    return build_plan(m.model_copy(update={"training": t}))
 
 
 def _promtool_test(
@@ -130,3 +148,32 @@ def test_a_throughput_rule_that_compares_bursts_with_averages_fails(tmp_path: Pa
     r = _promtool_test(tmp_path, plan, yaml.safe_dump(doc, sort_keys=False))
     assert r.returncode != 0
     assert "GeotrainCrossRegionThroughputCollapsed" in r.stdout + r.stderr
+
+
+def test_quorum_alerts_are_rendered_only_for_fault_tolerant_runs_with_a_runbook() -> None:
+    plain = {r.name for r in alert_rules(build_plan(load_stack("lab")))}
+    assert not plain & QUORUM_ALERTS
+    doc = yaml.safe_load(render_alert_rules(PLANS["lab (allreduce, fault tolerance)"]()))
+    rules = {r["alert"]: r for r in doc["groups"][0]["rules"]}
+    assert set(rules) >= QUORUM_ALERTS
+    for name in QUORUM_ALERTS:
+        runbook = rules[name]["annotations"]["runbook"]
+        assert all(w in runbook for w in ("What:", "Where:", "Fix:")), name
+    # 3 regions, a majority of 2: a quorum of 2 has no region to spare
+    assert rules["GeotrainQuorumAtMinimum"]["expr"].endswith("<= 2")
+
+
+@needs_promtool
+def test_a_quorum_alert_reading_the_reporting_region_instead_of_the_excluded_one_fails(
+    tmp_path: Path,
+) -> None:
+    """Each rank reports which regions its quorum leaves out; the alert must name the
+    region left out (excluded_region), not the rank's own region."""
+    plan = PLANS["lab (allreduce, fault tolerance)"]()
+    doc = yaml.safe_load(render_alert_rules(plan))
+    for rule in doc["groups"][0]["rules"]:
+        if rule["alert"] == "GeotrainRegionOutOfQuorum":
+            rule["expr"] = 'max by (region) (geotrain_quorum_excluded{excluded_region!=""}) == 1'
+    r = _promtool_test(tmp_path, plan, yaml.safe_dump(doc, sort_keys=False))
+    assert r.returncode != 0
+    assert "GeotrainRegionOutOfQuorum" in r.stdout + r.stderr

@@ -277,6 +277,9 @@ def _exposition(monkeypatch: pytest.MonkeyPatch | None = None) -> str:
     m.links({"links": [link], "codecs": {"frankfurt": {"codec": "int8/zstd1"}}})
     m.checkpointed(0.02)
     m.privacy(1.5, 4.0)
+    m.quorum(["beijing", "frankfurt"], ["silicon-valley"])
+    m.heal()
+    m.round_failed()
     m.tick()
     return generate_latest(m.registry).decode()
 
@@ -336,6 +339,7 @@ def test_dashboard_has_overview_region_link_and_health_rows() -> None:
         "Links",
         "Health",
         "Privacy",
+        "Quorum (fault tolerance)",
     ]
     assert rows[1]["repeat"] == "region"
     legends = {t["legendFormat"] for p in dash["panels"] for t in p.get("targets", [])}

@@ -27,9 +27,9 @@ from training.errors import ConfigError, SpecError, TransientReject
 from training.ft_launch import run_regions
 from training.heal import SealedTransport, seal, unseal
 from training.metrics import RuntimeMetrics
-from training.quorum import lighthouse_for, validate, view
+from training.quorum import arrived, lighthouse_for, validate, view
 from training.spec import AdaptiveSpec, CodecSpec, FaultToleranceSpec, LaunchSpec, listeners
-from training.testing import make_spec
+from training.testing import make_spec, run_world
 from training.topology import Topology
 
 QUORUM_SERVICES = {"lighthouse", "region-store", "torchft-manager", "heal"}
@@ -145,9 +145,10 @@ def test_settings_only_the_main_loop_runs_are_refused_with_fault_tolerance(
 
 def test_the_launcher_of_the_lighthouse_node_hosts_it_and_no_other_launcher_does() -> None:
     spec = make_spec(2, 1, fault_tolerance=replace(FT, lighthouse="127.0.0.1:0", min_replicas=1))
-    with lighthouse_for(spec, {"10.9.0.1"}) as elsewhere:
+    other = replace(spec.regions[0].nodes[0], host="10.9.0.1")
+    with lighthouse_for(spec, [other], Path("spec.json")) as elsewhere:
         assert elsewhere is None
-    with lighthouse_for(spec, {"127.0.0.1"}) as addr:
+    with lighthouse_for(spec, spec.regions[0].nodes, Path("spec.json")) as addr:
         assert addr is not None and addr.startswith("127.0.0.1:")
         host, port = addr.rsplit(":", 1)
         socket.create_connection((host, int(port)), timeout=5).close()
@@ -201,14 +202,27 @@ def test_a_failed_region_restarts_alone_while_the_other_trains_on(
     assert (_starts(tmp_path, "n0"), _starts(tmp_path, "n1")) == (1, 2)
 
 
-def test_quorum_lost_ends_the_attempt_of_every_region(
+def test_a_region_that_lost_its_quorum_restarts_alone_while_the_others_train_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A region cut off loses its quorum (exit 3) while the majority trains on: one
+    launcher running every region must not stop the others with it."""
+    spec = make_spec(2, 1, fault_tolerance=FT, max_restarts=2)
+    _fake_workers(monkeypatch, tmp_path, {"n0": [0], "n1": [3, 0]})
+    nodes = [n for r in spec.regions for n in r.nodes]
+    attempt = run_regions(spec, tmp_path / "spec.json", nodes, dict(os.environ), tmp_path / "logs")
+    assert attempt.rc == 0
+    assert (_starts(tmp_path, "n0"), _starts(tmp_path, "n1")) == (1, 2)
+
+
+def test_bad_input_ends_the_attempt_of_every_region(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     spec = make_spec(2, 1, fault_tolerance=FT, max_restarts=2)
-    _fake_workers(monkeypatch, tmp_path, {"n0": [0], "n1": [3]})
+    _fake_workers(monkeypatch, tmp_path, {"n0": [0], "n1": [2]})
     nodes = [n for r in spec.regions for n in r.nodes]
     attempt = run_regions(spec, tmp_path / "spec.json", nodes, dict(os.environ), tmp_path / "logs")
-    assert (attempt.rc, attempt.failed) == (3, "n1/0")
+    assert (attempt.rc, attempt.failed) == (2, "n1/0")
     assert _starts(tmp_path, "n1") == 1
 
 
@@ -235,3 +249,28 @@ def test_top_shows_the_quorum_size_and_the_regions_it_leaves_out() -> None:
     out = format_top({"beijing": v})
     assert out.splitlines()[0].endswith("quorum") and out.splitlines()[1].endswith("2")
     assert out.splitlines()[-1] == "left out of the training quorum: frankfurt"
+
+
+def _late_member(rank: int, world: int, meet: bool) -> str:
+    """Rank 1 arrives 3 s late at a group whose collectives time out after 1 s (a member
+    healing into a new quorum); rank 0 waits at `arrived` or at a plain barrier."""
+    import time
+
+    import torch.distributed as dist
+
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=1))
+    if rank == 1:
+        time.sleep(3)  # the heal: the donor's state crossing the WAN
+    try:
+        arrived(group, 30) if meet else group.barrier().wait()
+    except RuntimeError as e:
+        return f"failed: {e}"[:80]
+    x = torch.ones(2)
+    dist.all_reduce(x, group=group)
+    return f"ok {x.tolist()}"
+
+
+def test_a_member_healing_longer_than_timeout_s_still_meets_the_others() -> None:
+    assert run_world(_late_member, 2, True) == ["ok [2.0, 2.0]"] * 2
+    # the group's own timeout: the others give up while it heals
+    assert run_world(_late_member, 2, False)[0].startswith("failed")
