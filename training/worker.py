@@ -1,5 +1,6 @@
 """One training rank: `python -m training.worker --spec FILE --node NAME --local-rank I`,
-or under torchrun `python -m training.worker --torchrun --spec FILE` (training.torchrun).
+or under torchrun `python -m training.worker --torchrun[=NODE] --spec FILE`
+(training.torchrun).
 
 Reads only the launch spec. Every check that can fail on bad input (key file, data shard,
 world size) runs before the process group starts, so a bad spec fails fast and clearly.
@@ -23,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from training import balance, gloo, ledger_hooks, streaming
+from training import balance, gloo, ledger_hooks, streaming, torchrun
 from training.balance import Balancer
 from training.checkpoint import (
     ALLOW_ROLLBACK_ENV,
@@ -57,7 +58,6 @@ from training.privacy import (
 from training.session import Control, agree, rendezvous_store, wait_for_all
 from training.spec import LaunchSpec, metrics_endpoint
 from training.topology import Groups, Topology, make_groups
-from training.torchrun import agent_store, from_env
 
 RENDEZVOUS_TIMEOUT_S = 600
 """How long the global store waits for every rank to join."""
@@ -199,7 +199,7 @@ def setup(
     # the store waits that long for every rank to join (collectives keep 120 s)
     wait = timedelta(seconds=RENDEZVOUS_TIMEOUT_S)
     # the store listens on the master address only (TCPStore alone binds every interface)
-    store = agent_store(spec.world_size, wait)
+    store = torchrun.torchrun_store(spec.world_size, wait)
     if store is None:  # under torchrun, its rendezvous already waited for every node
         store = rendezvous_store(
             spec.master_addr, spec.master_port, spec.world_size, rank == 0, wait
@@ -629,6 +629,7 @@ def run(
         warmup=spec.diloco.warmup_steps if spec.sync == "diloco" else 0,
         epoch=session.epoch,
         session=session.id.hex()[:16],
+        **json.loads(os.environ.get("GEOTRAIN_TORCHRUN", "{}")),
     )
     if job.leader:
         job.emit("links", **link_report(job))
@@ -671,19 +672,21 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--spec", required=True)
     ap.add_argument("--node")
     ap.add_argument("--local-rank", type=int)
-    ap.add_argument("--torchrun", action="store_true", help="node and rank from torchrun's env")
+    ap.add_argument(
+        "--torchrun", nargs="?", const="", help="under torchrun: its env gives the rank (NODE)"
+    )
     a = ap.parse_args(argv)
-    if not a.torchrun and (a.node is None or a.local_rank is None):
+    if a.torchrun is None and (a.node is None or a.local_rank is None):
         ap.error("--node and --local-rank are required (or --torchrun under torchrun)")
     torch.set_num_threads(int(os.environ.get("GEOTRAIN_THREADS", "1")))
     events = os.environ.get("GEOTRAIN_EVENTS")
     run_dir = os.environ.get("GEOTRAIN_RUN_DIR")
     try:
         spec = LaunchSpec.load(a.spec)
-        if a.torchrun:
-            t = from_env(spec, os.environ)
+        if a.torchrun is not None:  # =NODE: torchrun's rendezvous does not number nodes
+            t = torchrun.enter(spec, a.torchrun or None, os.environ)
             a.node, a.local_rank = t.node, t.local_rank
-            os.environ["GEOTRAIN_RESTART"] = str(t.restart)  # the codec's epoch
+            os.environ["GEOTRAIN_TORCHRUN"] = json.dumps(t.fields())  # for the start event
         run(
             spec,
             a.node,
@@ -693,6 +696,7 @@ def main(argv: list[str] | None = None) -> None:
         )
     except GeotrainError as e:
         print(f"geotrain worker {a.node}/{a.local_rank}: error: {e}", file=sys.stderr)
+        torchrun.record_failure(events, a.node, a.local_rank, e)
         _exit(e.exit_code)
     _exit(0)
 
