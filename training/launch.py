@@ -18,7 +18,8 @@ What stays here, because torchrun cannot do it:
 - **Final failures stop at once.** Bad input (exit code 2) and a hostile reject cannot be
   cured by a restart; torchrun would retry them `max_restarts` times. The worker records
   either in the event log before it exits (`failed`, `rejected`), and the launcher stops
-  every torchrun when it reads one.
+  every torchrun when it reads one. The run key is checked before torchrun starts
+  (`preflight`): workers start only once every node joined the rendezvous.
 - **Restarts reported** to `geotrain train`'s output (from each agent's log line for a
   failed worker, with its exit code).
 - **Lifetime.** One launcher per run directory (`run_lock`). A SIGTERM stops every
@@ -205,8 +206,28 @@ def launch(
         with _lighthouse(spec, nodes):
             attempts(spec, spec_path, nodes, run_dir, result, on_poll, on_restart)
         return result
+    bad = preflight(spec, nodes, run_dir / "logs")
+    if bad is not None:
+        result.attempts.append(bad)
+        return result
     Supervisor(spec, spec_path, nodes, run_dir, result).run(on_poll, on_restart)
     return result
+
+
+def preflight(spec: LaunchSpec, nodes: list[NodeSpec], log_dir: Path) -> Attempt | None:
+    """The run key, checked before torchrun starts: its workers start only once every
+    node joined the rendezvous, so a host with a bad key would otherwise wait for all of
+    them to learn it (the workers check the rest of their input themselves)."""
+    from training.keys import load_key
+
+    try:
+        load_key(spec.key_file)
+    except GeotrainError as e:
+        log_dir.mkdir(parents=True, exist_ok=True)
+        who = f"{nodes[0].name}/preflight"
+        (log_dir / f"{nodes[0].name}-preflight.log").write_text(f"{e}\n")
+        return Attempt(e.exit_code, who)
+    return None
 
 
 def _lighthouse(
