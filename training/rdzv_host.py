@@ -10,6 +10,7 @@ with its launcher (training.launch.spawn).
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 from datetime import timedelta
@@ -21,7 +22,8 @@ TIMEOUT = timedelta(seconds=600)
 
 def main(argv: list[str] | None = None) -> None:
     addr, port = (argv if argv is not None else sys.argv[1:])[:2]
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    # no interpreter teardown: with torch loaded it takes seconds the launcher waits for
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
     store = rendezvous_store(addr, int(port), 1, True, TIMEOUT)
     print(f"rendezvous store on {addr}:{port}", flush=True)
     while store is not None:  # the store serves from its own thread
