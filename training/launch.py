@@ -57,6 +57,9 @@ _LIBC = ctypes.CDLL(None, use_errno=True)  # loaded here: the child must not imp
 MONITOR_S = 0.2
 """How often each torchrun agent polls its workers (torchrun's default: 0.1 s... 5 s by
 version); a failure is seen within this."""
+JOIN_S = 600
+"""How long an agent waits for the rendezvous store and the other nodes (the workers' own
+rendezvous waited as long: training.worker.RENDEZVOUS_TIMEOUT_S)."""
 FAILED = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+)")
 """torchrun's log line for a worker that failed (torch.distributed.elastic.multiprocessing)."""
 
@@ -140,7 +143,9 @@ def torchrun_command(spec: LaunchSpec, spec_path: Path, node: NodeSpec) -> list[
         "--rdzv-backend=c10d",
         f"--rdzv-endpoint={spec.master_addr}:{spec.master_port}",
         f"--rdzv-id={spec.run_id}",
-        "--rdzv-conf=is_host=false",
+        # hosts start minutes apart: an agent waits that long for the store (torchrun's
+        # default: 60 s) as for the other nodes (join_timeout, 600 s by default)
+        f"--rdzv-conf=is_host=false,read_timeout={JOIN_S}",
         f"--local-addr={node.host}",
         f"--max-restarts={spec.max_restarts}",
         f"--monitor-interval={MONITOR_S}",

@@ -24,7 +24,7 @@ def test_each_node_runs_torchrun_with_c10d_at_the_launchers_store_and_names_its_
         "--nproc-per-node=3",
         "--rdzv-backend=c10d",
         "--rdzv-endpoint=127.0.0.1:29555",
-        "--rdzv-conf=is_host=false",  # the launcher hosts the store, on one address
+        "--rdzv-conf=is_host=false,read_timeout=600",  # the launcher hosts the store
         f"--local-addr={node.host}",
         "--max-restarts=4",
     ):
