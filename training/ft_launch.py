@@ -1,21 +1,23 @@
 """The launcher's worker group under fault_tolerance (training.quorum): a region whose
 worker dies is restarted alone while the others train on.
 
-`training.launch.run_group` stops every worker on the first failure (a collective cannot
-finish without it). With regions as replica groups, only the failed worker's region is
-stopped and started again (up to `max_restarts` times per region); it rejoins and heals
-from a live peer. That includes exit 3 (QuorumLost): a region cut off from the others (or
-from the Lighthouse) loses its quorum while the majority trains on, and one launcher may
-run every region (`geotrain train` on a lab stack), so the others must not stop with it;
-it restarts from its checkpoints and heals once it reaches a quorum again. When the
-majority is gone every region loses its quorum and restarts alike, which is the
-whole-job restart from checkpoints. Exit 2 (bad input, a hostile reject) still ends the
-attempt for the whole group.
+Without fault tolerance, torchrun supervises each node (training.launch) and a failed
+worker restarts the whole job. With regions as replica groups, the launcher still starts
+the workers itself (`training.worker --node --local-rank`, not through torchrun): only
+the failed worker's region is stopped and started again (up to `max_restarts` times per
+region); it rejoins and heals from a live peer. That includes exit 3 (QuorumLost): a
+region cut off from the others (or from the Lighthouse) loses its quorum while the
+majority trains on, and one launcher may run every region (`geotrain train` on a lab
+stack), so the others must not stop with it; it restarts from its checkpoints and heals
+once it reaches a quorum again. When the majority is gone every region loses its quorum
+and restarts alike, which is the whole-job restart from checkpoints. Exit 2 (bad input,
+a hostile reject) still ends the attempt for the whole group.
 """
 
 from __future__ import annotations
 
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -29,6 +31,45 @@ FINISH_GRACE_S = 30.0
 """Once a region finished the run, the others get this long to finish too. A region that
 is still running after it, or fails, came back too late to rejoin (nobody is left to heal
 from): it is stopped rather than restarted, and the run is done."""
+
+
+def worker_command(spec_path: Path, node: NodeSpec, local_rank: int) -> list[str]:
+    cmd = [
+        sys.executable,
+        "-m",
+        "training.worker",
+        "--spec",
+        str(spec_path),
+        "--node",
+        node.name,
+        "--local-rank",
+        str(local_rank),
+    ]
+    return launch.in_netns(node, cmd)
+
+
+def attempts(
+    spec: LaunchSpec,
+    spec_path: Path,
+    nodes: list[NodeSpec],
+    run_dir: Path,
+    result: launch.LaunchResult,
+    on_poll: Callable[[], None] | None,
+    on_restart: Callable[[launch.Attempt], None] | None,
+) -> None:
+    """The whole group, restarted from the checkpoints up to max_restarts times."""
+    for restart in range(spec.max_restarts + 1):
+        started = time.time()
+        env = {**launch.worker_env(run_dir), "GEOTRAIN_RESTART": str(restart)}
+        attempt = run_regions(spec, spec_path, nodes, env, run_dir / "logs", on_poll)
+        if attempt.rc != 0:
+            final = launch._final(run_dir / "events.jsonl", nodes, started)
+            attempt = final or attempt
+        result.attempts.append(attempt)
+        if attempt.rc == 0 or attempt.rc == 2:  # 2: bad input or hostile; restarting cannot help
+            break
+        if on_restart and restart < spec.max_restarts:
+            on_restart(attempt)
 
 
 def run_regions(
@@ -81,7 +122,7 @@ def _start(
 ) -> dict[str, subprocess.Popen[bytes]]:
     return {
         f"{n.name}/{i}": launch.spawn(
-            launch.worker_command(spec_path, n, i), env, log_dir / f"{n.name}-{i}.log"
+            worker_command(spec_path, n, i), env, log_dir / f"{n.name}-{i}.log"
         )
         for n in nodes
         for i in range(n.nprocs)

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from training import balance, gloo, ledger_hooks, state, streaming
+from training import balance, gloo, ledger_hooks, state, streaming, torchrun
 from training.balance import Balancer
 from training.checkpoint import ALLOW_ROLLBACK_ENV, Checkpointer, node_group, node_root
 from training.codec import Codec
@@ -33,7 +33,6 @@ from training.session import Control, agree, rendezvous_store, wait_for_all
 from training.spec import LaunchSpec, metrics_endpoint
 from training.topo_exchange import TopologyExchange
 from training.topology import Groups, Topology, make_groups
-from training.torchrun import agent_store
 
 RENDEZVOUS_TIMEOUT_S = 600
 """How long the global store waits for every rank to join."""
@@ -172,7 +171,7 @@ def setup(
     # the store waits that long for every rank to join (collectives keep 120 s)
     wait = timedelta(seconds=RENDEZVOUS_TIMEOUT_S)
     # the store listens on the master address only (TCPStore alone binds every interface)
-    store = agent_store(spec.world_size, wait)
+    store = torchrun.torchrun_store(spec.world_size, wait)
     if store is None:  # under torchrun, its rendezvous already waited for every node
         store = rendezvous_store(
             spec.master_addr, spec.master_port, spec.world_size, rank == 0, wait

@@ -1,16 +1,34 @@
-"""Starting workers: one node (`geotrain launch`, what SSH hosts and pods run) or every
-node of a single-machine stack (`geotrain train`), with torchrun-style restarts.
+"""Starting workers: one node (`geotrain launch`, what SSH hosts run) or every node of a
+single-machine stack (`geotrain train`), each node through torchrun.
 
-A failed worker takes its whole group down (a collective cannot finish without it); the
-group restarts up to `max_restarts` times and every rank resumes from the newest
-committed checkpoint. Two failures are final: bad input (exit code 2) and a hostile
-reject, which the rejecting worker records in the event log before it exits (an
-authentic payload out of place: a replay, or a key holder that misbehaves; restarting
-would only meet it again). A transient reject (corruption in transit) restarts.
+Every node gets one torchrun (`torch.distributed.run`; in the lab inside the node's network
+namespace) that starts its workers (`training.worker --torchrun=NODE`), supervises
+them and restarts them. The torchruns of a run meet in torchrun's c10d rendezvous, so a
+restart is job-wide: when a worker fails, its agent stops the node's other workers and
+opens a new rendezvous round, and every other agent, seeing a node waiting, stops and
+restarts its workers too; every rank then resumes from the newest committed checkpoint
+(training.checkpoint). Each agent restarts its group at most `max_restarts` times.
 
-Workers never outlive their launcher: a SIGTERM stops their process groups, and a launcher
-killed outright (SIGKILL, OOM) takes them along through the kernel's parent-death signal.
-One run directory has one launcher at a time (`run_lock`).
+What stays here, because torchrun cannot do it:
+- **The rendezvous store, bound to the master address.** torchrun's c10d backend would
+  host its TCPStore on every interface; the launcher of the node that holds rank 0 hosts
+  it instead (`training.rdzv_host`: bound to the master address only, in the node's
+  namespace) and every agent joins it as a client (`is_host=false`). The workers' own
+  store of each round is bound the same way (training.torchrun.torchrun_store).
+- **Final failures stop at once.** Bad input (exit code 2) and a hostile reject cannot be
+  cured by a restart; torchrun would retry them `max_restarts` times. The worker records
+  either in the event log before it exits (`failed`, `rejected`), and the launcher stops
+  every torchrun when it reads one. The run key is checked before torchrun starts
+  (`preflight`): workers start only once every node joined the rendezvous.
+- **Restarts reported** to `geotrain train`'s output (from each agent's log line for a
+  failed worker, with its exit code).
+- **Lifetime.** One launcher per run directory (`run_lock`). A SIGTERM stops every
+  torchrun (which stops its workers); a launcher killed outright takes the torchruns
+  along through the kernel's parent-death signal, and each worker dies with its agent
+  the same way.
+- **fault_tolerance** (regions as torchft replica groups): the Lighthouse is hosted here,
+  and the workers are still started directly by training.ft_launch, which restarts a
+  failed region alone.
 """
 
 from __future__ import annotations
@@ -20,6 +38,7 @@ import ctypes
 import fcntl
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -35,15 +54,22 @@ POLL_S = 0.2
 LOCK = "launcher.lock"
 PR_SET_PDEATHSIG = 1
 _LIBC = ctypes.CDLL(None, use_errno=True)  # loaded here: the child must not import
+MONITOR_S = 0.2
+"""How often each torchrun agent polls its workers (torchrun's default: 0.1 s... 5 s by
+version); a failure is seen within this."""
+JOIN_S = 600
+"""How long an agent waits for the rendezvous store and the other nodes (the workers' own
+rendezvous waited as long: training.worker.RENDEZVOUS_TIMEOUT_S)."""
+FAILED = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+)")
+"""torchrun's log line for a worker that failed (torch.distributed.elastic.multiprocessing)."""
 
 
 @dataclass
 class Attempt:
     rc: int
-    """0 when every worker finished; else the first failing worker's exit code."""
+    """0 when every worker finished; else the failing worker's exit code."""
     failed: str | None = None
-    """Which worker failed first (node/local rank); the rejecting one after a hostile
-    reject."""
+    """Which worker failed (node/local rank); the rejecting one after a hostile reject."""
     seconds: float = 0.0
     hostile: str | None = None
     """Why the group stopped for good: a worker's hostile reject (from the event log)."""
@@ -52,32 +78,16 @@ class Attempt:
 @dataclass
 class LaunchResult:
     attempts: list[Attempt] = field(default_factory=list)
+    """Every failure a restart followed, then the end (rc 0: done)."""
 
     @property
     def ok(self) -> bool:
         return bool(self.attempts) and self.attempts[-1].rc == 0
 
 
-def worker_command(spec_path: Path, node: NodeSpec, local_rank: int) -> list[str]:
-    cmd = [
-        sys.executable,
-        "-m",
-        "training.worker",
-        "--spec",
-        str(spec_path),
-        "--node",
-        node.name,
-        "--local-rank",
-        str(local_rank),
-    ]
-    if node.netns:  # lab: the worker lives in its node's namespace, on the overlay only
-        cmd = ["ip", "netns", "exec", node.netns, *cmd]
-    return cmd
-
-
 def die_with(launcher: int) -> Callable[[], None]:
     """preexec_fn: the kernel sends SIGKILL to the child when the launcher dies. The
-    setting survives exec, including `ip netns exec`'s (which execs the worker in place);
+    setting survives exec, including `ip netns exec`'s (which execs the command in place);
     a launcher that died before it was set is caught by the parent check."""
 
     def arm() -> None:
@@ -89,8 +99,8 @@ def die_with(launcher: int) -> Callable[[], None]:
 
 
 def spawn(cmd: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
-    """Start one worker in its own process group (so SIGTERM reaches its children) that
-    dies with this process."""
+    """Start `cmd` in its own process group (so SIGTERM reaches its children) that dies
+    with this process."""
     with open(log, "ab") as out:
         return subprocess.Popen(
             cmd,
@@ -103,58 +113,82 @@ def spawn(cmd: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[by
         )
 
 
-def run_group(
-    spec_path: Path,
-    nodes: list[NodeSpec],
-    env: dict[str, str],
-    log_dir: Path,
-    on_poll: Callable[[], None] | None = None,
-) -> Attempt:
-    """Start every worker of `nodes`, wait; on the first failure stop the rest."""
-    log_dir.mkdir(parents=True, exist_ok=True)
-    procs: dict[str, subprocess.Popen[bytes]] = {}
-    t0 = time.monotonic()
-    for n in nodes:
-        for i in range(n.nprocs):
-            procs[f"{n.name}/{i}"] = spawn(
-                worker_command(spec_path, n, i), env, log_dir / f"{n.name}-{i}.log"
-            )
-    try:
-        while True:
-            if on_poll:
-                on_poll()
-            failed = next(
-                (
-                    (k, p.returncode)
-                    for k, p in procs.items()
-                    if p.poll() is not None and p.returncode != 0
-                ),
-                None,
-            )
-            if failed:
-                return Attempt(failed[1], failed[0], time.monotonic() - t0)
-            if all(p.poll() is not None for p in procs.values()):
-                return Attempt(0, None, time.monotonic() - t0)
-            time.sleep(POLL_S)
-    finally:
-        _stop(procs.values())
+def in_netns(node: NodeSpec, cmd: list[str]) -> list[str]:
+    """lab: the command runs in its node's namespace, on the overlay only."""
+    return ["ip", "netns", "exec", node.netns, *cmd] if node.netns else cmd
+
+
+def master_node(spec: LaunchSpec) -> NodeSpec:
+    """The node that holds rank 0: its launcher hosts the rendezvous store."""
+    return next(n for r in spec.regions for n in r.nodes if n.first_rank == 0)
+
+
+def worker_entry(spec_path: Path, node: NodeSpec) -> list[str]:
+    """What torchrun starts on `node` (after `python`)."""
+    # --torchrun=NODE, one word: torchrun's own parser takes `--node ...` for --node-rank
+    return ["-m", "training.worker", f"--torchrun={node.name}", "--spec", str(spec_path)]
+
+
+def torchrun_command(spec: LaunchSpec, spec_path: Path, node: NodeSpec) -> list[str]:
+    """One node's torchrun: c10d rendezvous (job-wide restarts) at the master's store,
+    which the launcher hosts (`is_host=false`); ranks and the workers' store address come
+    from the node's own address."""
+    nnodes = sum(len(r.nodes) for r in spec.regions)
+    argv = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nnodes={nnodes}",
+        f"--nproc-per-node={node.nprocs}",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint={spec.master_addr}:{spec.master_port}",
+        f"--rdzv-id={spec.run_id}",
+        # hosts start minutes apart: an agent waits that long for the store (torchrun's
+        # default: 60 s) as for the other nodes (join_timeout, 600 s by default)
+        f"--rdzv-conf=is_host=false,read_timeout={JOIN_S}",
+        f"--local-addr={node.host}",
+        f"--max-restarts={spec.max_restarts}",
+        f"--monitor-interval={MONITOR_S}",
+        *worker_entry(spec_path, node),
+    ]
+    return in_netns(node, argv)
+
+
+def store_command(spec: LaunchSpec) -> list[str]:
+    argv = [sys.executable, "-m", "training.rdzv_host", spec.master_addr, str(spec.master_port)]
+    return in_netns(master_node(spec), argv)
 
 
 def _stop(procs: object) -> None:
     alive = [p for p in procs if p.poll() is None]  # type: ignore[attr-defined]
     for p in alive:
-        os.killpg(p.pid, signal.SIGTERM)
+        os.killpg(p.pid, signal.SIGTERM)  # torchrun stops its workers, then exits
     deadline = time.monotonic() + 10
     for p in alive:
         try:
             p.wait(timeout=max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
+            os.killpg(p.pid, signal.SIGKILL)  # its workers die with it (parent-death)
             p.wait()
 
 
 def _exit_on_signal(signum: int, _frame: object) -> None:
     raise SystemExit(128 + signum)
+
+
+def worker_env(run_dir: Path) -> dict[str, str]:
+    return {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "GEOTRAIN_EVENTS": str(run_dir / "events.jsonl"),
+        "GEOTRAIN_RUN_DIR": str(run_dir),
+        "GEOTRAIN_LOG_DIR": str(run_dir / "logs"),
+        "PYTHONUNBUFFERED": "1",
+        # the workers' store is per round, bound to the master's address, not the
+        # agent's store on every interface (training.torchrun.torchrun_store)
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+        "LOGLEVEL": os.environ.get("LOGLEVEL", "WARNING"),
+    }
 
 
 def launch(
@@ -165,23 +199,46 @@ def launch(
     on_poll: Callable[[], None] | None = None,
     on_restart: Callable[[Attempt], None] | None = None,
 ) -> LaunchResult:
-    """Run `nodes`' workers with up to spec.max_restarts restarts."""
+    """Run `nodes`' workers, one torchrun per node, until they finish or fail for good."""
     # SIGTERM (systemd stop, kill) must run the cleanup below, not leave workers behind
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, _exit_on_signal)
     result = LaunchResult()
     forget_records_of_fresh_roots(spec, nodes, run_dir)
-    with _lighthouse(spec, spec_path, nodes):
-        _attempts(spec, spec_path, nodes, run_dir, result, on_poll, on_restart)
+    if spec.fault_tolerance is not None:  # a failed region restarts alone
+        from training.ft_launch import attempts
+
+        with _lighthouse(spec, spec_path, nodes):
+            attempts(spec, spec_path, nodes, run_dir, result, on_poll, on_restart)
+        return result
+    bad = preflight(spec, nodes, run_dir / "logs")
+    if bad is not None:
+        result.attempts.append(bad)
+        return result
+    Supervisor(spec, spec_path, nodes, run_dir, result).run(on_poll, on_restart)
     return result
+
+
+def preflight(spec: LaunchSpec, nodes: list[NodeSpec], log_dir: Path) -> Attempt | None:
+    """The run key, checked before torchrun starts: its workers start only once every
+    node joined the rendezvous, so a host with a bad key would otherwise wait for all of
+    them to learn it (the workers check the rest of their input themselves)."""
+    from training.keys import load_key
+
+    try:
+        load_key(spec.key_file)
+    except GeotrainError as e:
+        log_dir.mkdir(parents=True, exist_ok=True)
+        who = f"{nodes[0].name}/preflight"
+        (log_dir / f"{nodes[0].name}-preflight.log").write_text(f"{e}\n")
+        return Attempt(e.exit_code, who)
+    return None
 
 
 def _lighthouse(
     spec: LaunchSpec, spec_path: Path, nodes: list[NodeSpec]
 ) -> contextlib.AbstractContextManager[object]:
     """fault_tolerance: the Lighthouse, hosted by the launcher of the node it is placed on."""
-    if spec.fault_tolerance is None:
-        return contextlib.nullcontext()
     # torchft's Lighthouse logs every quorum request at INFO into the launcher's output
     os.environ.setdefault("RUST_LOG", "warn")
     from training.quorum import lighthouse_for  # imports torchft: only when it is on
@@ -189,54 +246,126 @@ def _lighthouse(
     return lighthouse_for(spec, nodes, spec_path)
 
 
-def _attempts(
-    spec: LaunchSpec,
-    spec_path: Path,
-    nodes: list[NodeSpec],
-    run_dir: Path,
-    result: LaunchResult,
-    on_poll: Callable[[], None] | None,
-    on_restart: Callable[[Attempt], None] | None,
-) -> None:
-    for restart in range(spec.max_restarts + 1):
-        started = time.time()
-        env = {
-            **os.environ,
-            "OMP_NUM_THREADS": "1",
-            "GEOTRAIN_RESTART": str(restart),
-            "GEOTRAIN_EVENTS": str(run_dir / "events.jsonl"),
-            "GEOTRAIN_RUN_DIR": str(run_dir),
-            "PYTHONUNBUFFERED": "1",
-        }
-        if spec.fault_tolerance is None:
-            attempt = run_group(spec_path, nodes, env, run_dir / "logs", on_poll)
-        else:  # a failed region restarts alone (training.ft_launch)
-            from training.ft_launch import run_regions
+@dataclass
+class Supervisor:
+    """The torchruns of `nodes` (and the rendezvous store when rank 0's node is here)."""
 
-            attempt = run_regions(spec, spec_path, nodes, env, run_dir / "logs", on_poll)
-        if attempt.rc != 0:
-            attempt = _hostile(attempt, run_dir / "events.jsonl", nodes, started)
-        result.attempts.append(attempt)
-        if attempt.rc == 0 or attempt.rc == 2:  # 2: bad input or hostile; restarting cannot help
-            break
-        if on_restart and restart < spec.max_restarts:
-            on_restart(attempt)
+    spec: LaunchSpec
+    spec_path: Path
+    nodes: list[NodeSpec]
+    run_dir: Path
+    result: LaunchResult
+    procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    seen: dict[str, int] = field(default_factory=dict)
+    """Bytes of each node's torchrun log already read."""
+    failures: dict[str, int] = field(default_factory=dict)
+    """Failed workers each node's agent reported (its restart count, as torchrun keeps it)."""
+
+    def run(
+        self, on_poll: Callable[[], None] | None, on_restart: Callable[[Attempt], None] | None
+    ) -> None:
+        log_dir = self.run_dir / "logs"
+        log_dir.mkdir(parents=True, exist_ok=True)
+        env = worker_env(self.run_dir)
+        t0, started = time.monotonic(), time.time()
+        store = None
+        if master_node(self.spec).name in {n.name for n in self.nodes}:
+            store = spawn(store_command(self.spec), env, log_dir / "rendezvous-store.log")
+        try:
+            for n in self.nodes:
+                cmd = torchrun_command(self.spec, self.spec_path, n)
+                self.procs[n.name] = spawn(cmd, env, self._log(n.name))
+            end = self._watch(on_poll, on_restart, started)
+            end.seconds = time.monotonic() - t0
+            self.result.attempts.append(end)
+        finally:
+            _stop(self.procs.values())
+            if store is not None:
+                _stop([store])
+
+    def _log(self, node: str) -> Path:
+        return self.run_dir / "logs" / f"{node}-torchrun.log"
+
+    def _watch(
+        self,
+        on_poll: Callable[[], None] | None,
+        on_restart: Callable[[Attempt], None] | None,
+        since: float,
+    ) -> Attempt:
+        while True:
+            if on_poll:
+                on_poll()
+            new = self._new_failures()
+            ended = {k: rc for k, p in self.procs.items() if (rc := p.poll()) is not None}
+            # read once a worker is gone: its event precedes its agent's log line, and a
+            # hostile one keeps serving its metrics until its peers stopped (worker.py)
+            final = (
+                _final(self.run_dir / "events.jsonl", self.nodes, since) if new or ended else None
+            )
+            if final is not None:
+                return final
+            for a in new:
+                self.result.attempts.append(a)
+                node = str(a.failed).split("/")[0]
+                if on_restart and self.failures[node] <= self.spec.max_restarts:
+                    on_restart(a)
+            bad = {k: rc for k, rc in ended.items() if rc != 0}
+            if bad:
+                return self._ended(next(iter(bad)), bad)
+            if len(ended) == len(self.procs):
+                return Attempt(0)
+            time.sleep(POLL_S)
+
+    def _ended(self, node: str, bad: dict[str, int]) -> Attempt:
+        """A torchrun that exited non-zero: its last failed worker, once out of restarts."""
+        attempts = self.result.attempts
+        mine = [i for i, a in enumerate(attempts) if str(a.failed).startswith(node + "/")]
+        if mine:
+            return attempts.pop(mine[-1])  # the failure that ended it: no restart followed
+        return Attempt(bad[node], f"{node}/torchrun")
+
+    def _new_failures(self) -> list[Attempt]:
+        """Workers each agent reported failed since the last poll (torchrun's log)."""
+        out = []
+        for node in self.procs:
+            try:
+                with open(self._log(node), "rb") as f:
+                    f.seek(self.seen.get(node, 0))
+                    text = f.read()
+            except FileNotFoundError:
+                continue
+            end = text.rfind(b"\n") + 1  # a partial line waits for the next poll
+            self.seen[node] = self.seen.get(node, 0) + end
+            for m in FAILED.finditer(text[:end].decode(errors="replace")):
+                self.failures[node] = self.failures.get(node, 0) + 1
+                out.append(Attempt(int(m.group(1)), f"{node}/{m.group(2)}"))
+        return out
 
 
-def _hostile(attempt: Attempt, events: Path, nodes: list[NodeSpec], since: float) -> Attempt:
-    """The attempt as a hostile stop when a worker of `nodes` recorded a hostile reject
-    since `since` (its peers may have exited first, with a plain collective error)."""
+def _final(events: Path, nodes: list[NodeSpec], since: float) -> Attempt | None:
+    """A failure no restart can cure, recorded since `since` by a worker of `nodes`: bad
+    input (a `failed` event with exit code 2) or a hostile reject (its peers may have
+    exited first, with a plain collective error)."""
     for e in _events(events):
-        if e.get("event") != "rejected" or e.get("kind") != "hostile":
-            continue
         if float(str(e.get("t", 0))) < since:
             continue
-        rank = int(str(e.get("rank")))
-        for n in nodes:
-            if n.first_rank <= rank < n.first_rank + n.nprocs:
-                who = f"{n.name}/{rank - n.first_rank}"
-                return Attempt(2, who, attempt.seconds, str(e.get("reason", "")))
-    return attempt
+        hostile = e.get("event") == "rejected" and e.get("kind") == "hostile"
+        bad_input = e.get("event") == "failed" and e.get("exit_code") == 2
+        if not (hostile or bad_input):
+            continue
+        who = _worker(int(str(e.get("rank", -1))), nodes, e)
+        if who is not None:
+            return Attempt(2, who, 0.0, str(e.get("reason", "")) if hostile else None)
+    return None
+
+
+def _worker(rank: int, nodes: list[NodeSpec], e: dict[str, object]) -> str | None:
+    if "node" in e and "local_rank" in e:
+        return f"{e['node']}/{e['local_rank']}" if any(n.name == e["node"] for n in nodes) else None
+    for n in nodes:
+        if n.first_rank <= rank < n.first_rank + n.nprocs:
+            return f"{n.name}/{rank - n.first_rank}"
+    return None
 
 
 def _events(path: Path) -> list[dict[str, object]]:

@@ -4,6 +4,7 @@ and step events, and the run from setup to the final weights."""
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import time
 from pathlib import Path
@@ -210,6 +211,7 @@ def run(
         warmup=spec.diloco.warmup_steps if spec.sync == "diloco" else 0,
         epoch=session.epoch,
         session=session.id.hex()[:16],
+        **json.loads(os.environ.get("GEOTRAIN_TORCHRUN", "{}")),
     )
     if job.leader:
         job.emit("links", **link_report(job))

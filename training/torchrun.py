@@ -1,4 +1,5 @@
-"""Workers started by torchrun, as in Kubernetes pods.
+"""Workers started by torchrun: by `geotrain launch`/`geotrain train` (training.launch, c10d
+rendezvous) and in Kubernetes pods (static rendezvous).
 
 Two sides:
 - the pod's entry point, `python -m training.torchrun` (the image's CMD): it finds which
@@ -6,23 +7,32 @@ Two sides:
   $JOB_COMPLETION_INDEX, or torchrun's own $PET_NODE_RANK), then runs torchrun for it with
   static rendezvous at the spec's master address: `--nnodes` = every node of the spec,
   `--node-rank` = the node's index in spec order, `--nproc-per-node` = its workers;
-- the worker's side, `python -m training.worker --torchrun`: the node and local rank come
-  from torchrun's environment (GROUP_RANK, LOCAL_RANK), checked against the spec (RANK
-  must be the node's first rank + LOCAL_RANK, WORLD_SIZE the spec's), and the worker uses
-  torchrun's store (TORCHELASTIC_USE_AGENT_STORE) instead of opening its own on the same
-  port.
+- the worker's side, `python -m training.worker --torchrun[=NODE]` (`enter`):
+  the local rank comes from torchrun's LOCAL_RANK; the node is NODE (training.launch
+  names it: c10d numbers nodes in the order they join, not the spec's) or, in pods, the
+  spec's node at torchrun's GROUP_RANK (checked: RANK must be the node's first rank +
+  LOCAL_RANK). Its global rank is always the spec's. The worker records torchrun's
+  RANK, GROUP_RANK and TORCHELASTIC_RESTART_COUNT in its `start` event; the restart count
+  is torchrun's per node (after a failure the nodes' counts differ), so nothing keys on
+  it: the codec's epoch is agreed separately (training.session).
 
-`geotrain launch` (hosts) is unchanged: it starts `training.worker --node --local-rank`.
+The workers' store (`torchrun_store`): under c10d (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1,
+set by training.launch) torchrun gives every rendezvous round a fresh MASTER_PORT on the
+address of the node it numbered 0; the worker torchrun calls RANK 0 hosts the store there,
+bound to that address only, so no key of an earlier round can be read. In pods torchrun
+hosts it (TORCHELASTIC_USE_AGENT_STORE) and every worker is a client.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -126,15 +136,28 @@ def torchrun_argv(spec: LaunchSpec, spec_path: str, index: int, node: NodeSpec) 
 @dataclass(frozen=True)
 class TorchrunRank:
     node: str
-    """This worker's node in the spec (torchrun's GROUP_RANK in spec order)."""
+    """This worker's node in the spec."""
     local_rank: int
     """torchrun's LOCAL_RANK."""
     restart: int
-    """torchrun's restart count: the codec's epoch, like GEOTRAIN_RESTART under launch."""
+    """torchrun's TORCHELASTIC_RESTART_COUNT: this node's agent's restarts so far."""
+    rank: int
+    """torchrun's RANK (its own numbering under c10d; the worker's rank is the spec's)."""
+    group_rank: int
+    """torchrun's GROUP_RANK (the node's number in torchrun's rendezvous)."""
+
+    def fields(self) -> dict[str, int]:
+        """What the worker's `start` event records of torchrun."""
+        return {
+            "torchrun_restart": self.restart,
+            "torchrun_rank": self.rank,
+            "torchrun_group_rank": self.group_rank,
+        }
 
 
-def from_env(spec: LaunchSpec, env: Mapping[str, str]) -> TorchrunRank:
-    """The node and local rank torchrun gave this worker, checked against the spec."""
+def from_env(spec: LaunchSpec, env: Mapping[str, str], node: str | None = None) -> TorchrunRank:
+    """The node and local rank torchrun gave this worker, checked against the spec;
+    `node`: the node training.launch started this torchrun for (else GROUP_RANK's)."""
     missing = [v for v in TORCHRUN_VARS if v not in env]
     if missing:
         raise SpecError(
@@ -143,35 +166,83 @@ def from_env(spec: LaunchSpec, env: Mapping[str, str]) -> TorchrunRank:
         )
     nodes = _nodes(spec)
     group, local, rank = _int(env, "GROUP_RANK"), _int(env, "LOCAL_RANK"), _int(env, "RANK")
+    if _int(env, "WORLD_SIZE") != spec.world_size:
+        raise SpecError(
+            f"torchrun's WORLD_SIZE {env['WORLD_SIZE']} is not the spec's {spec.world_size}; "
+            "start every node's torchrun with --nproc-per-node = its workers"
+        )
+    restart = int(env.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if node is not None:
+        spec.node(node)  # an unknown name is a SpecError naming the nodes
+        return TorchrunRank(node, local, restart, rank, group)
     if not 0 <= group < len(nodes):
         raise SpecError(
             f"torchrun's GROUP_RANK {group} is outside the spec's {len(nodes)} nodes; "
             f"start torchrun with --nnodes={len(nodes)}"
         )
-    node = nodes[group]
-    if rank != node.first_rank + local:
+    n = nodes[group]
+    if rank != n.first_rank + local:
         raise SpecError(
-            f"torchrun gave rank {rank} to local rank {local} of node {node.name}, whose "
-            f"ranks start at {node.first_rank}; start every node's torchrun with "
+            f"torchrun gave rank {rank} to local rank {local} of node {n.name}, whose "
+            f"ranks start at {n.first_rank}; start every node's torchrun with "
             "--nproc-per-node = its workers and --node-rank = its index in spec order"
         )
-    return TorchrunRank(node.name, local, int(env.get("TORCHELASTIC_RESTART_COUNT", "0")))
+    return TorchrunRank(n.name, local, restart, rank, group)
 
 
-def agent_store(world_size: int, timeout: timedelta) -> Any:
-    """torchrun's store as a client, when torchrun hosts it (its agent on node rank 0
-    listens on MASTER_ADDR:MASTER_PORT: a store of our own there would collide)."""
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+def enter(spec: LaunchSpec, node: str | None, env: Mapping[str, str]) -> TorchrunRank:
+    """A worker started by torchrun: who it is; it dies with its agent, and writes its
+    output to GEOTRAIN_LOG_DIR/<node>-<local rank>.log when the launcher names one."""
+    t = from_env(spec, env, node)
+    _die_with_parent()
+    if env.get("GEOTRAIN_LOG_DIR"):
+        path = Path(env["GEOTRAIN_LOG_DIR"]) / f"{t.node}-{t.local_rank}.log"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
+    return t
+
+
+def _die_with_parent() -> None:
+    """SIGKILL from the kernel when torchrun's agent dies (killed with -9, or by its own
+    launcher's death): torchrun does not arrange it, and its workers run in their own
+    sessions, out of reach of a signal to the agent's process group."""
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+    if os.getppid() == 1:  # the agent died before the line above
+        os._exit(1)
+
+
+def record_failure(
+    events: str | None, node: str | None, local_rank: int | None, e: Exception
+) -> None:
+    """The worker's last event before it exits with a GeotrainError: the launcher stops
+    the run at once on exit code 2 (bad input), which no torchrun restart can cure."""
+    if not events:
+        return
+    code = getattr(e, "exit_code", 1)
+    line = {"event": "failed", "node": node, "local_rank": local_rank, "exit_code": code}
+    line |= {"reason": str(e), "t": time.time()}
+    with open(events, "a", encoding="utf-8") as f:  # one write(): atomic append
+        f.write(json.dumps(line) + "\n")
+
+
+def torchrun_store(world_size: int, timeout: timedelta) -> Any:
+    """The workers' store under torchrun (see the module docstring); None when the worker
+    was not started by torchrun."""
+    env = os.environ
+    if "TORCHELASTIC_RUN_ID" not in env:
         return None
     import torch.distributed as dist
 
-    return dist.TCPStore(
-        os.environ["MASTER_ADDR"],
-        int(os.environ["MASTER_PORT"]),
-        world_size,
-        False,
-        timeout=timeout,
-    )
+    addr, port = env["MASTER_ADDR"], int(env["MASTER_PORT"])
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") == "True":  # torchrun's agent hosts it
+        return dist.TCPStore(addr, port, world_size, False, timeout=timeout)
+    from training.session import rendezvous_store
+
+    return rendezvous_store(addr, port, world_size, env.get("RANK") == "0", timeout)
 
 
 # -- the pod's entry point --------------------------------------------------------------

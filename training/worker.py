@@ -1,5 +1,6 @@
 """One training rank: `python -m training.worker --spec FILE --node NAME --local-rank I`,
-or under torchrun `python -m training.worker --torchrun --spec FILE` (training.torchrun).
+or under torchrun `python -m training.worker --torchrun[=NODE] --spec FILE`
+(training.torchrun).
 
 Reads only the launch spec. Every check that can fail on bad input (key file, data shard,
 world size) runs before the process group starts, so a bad spec fails fast and clearly.
@@ -13,16 +14,17 @@ fault_tolerance runs training.ft_loop instead.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from pathlib import Path
 
 import torch
 
+from training import torchrun
 from training.errors import GeotrainError
 from training.loop import run
 from training.spec import LaunchSpec
-from training.torchrun import from_env
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -30,19 +32,21 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--spec", required=True)
     ap.add_argument("--node")
     ap.add_argument("--local-rank", type=int)
-    ap.add_argument("--torchrun", action="store_true", help="node and rank from torchrun's env")
+    ap.add_argument(
+        "--torchrun", nargs="?", const="", help="under torchrun: its env gives the rank (NODE)"
+    )
     a = ap.parse_args(argv)
-    if not a.torchrun and (a.node is None or a.local_rank is None):
+    if a.torchrun is None and (a.node is None or a.local_rank is None):
         ap.error("--node and --local-rank are required (or --torchrun under torchrun)")
     torch.set_num_threads(int(os.environ.get("GEOTRAIN_THREADS", "1")))
     events = os.environ.get("GEOTRAIN_EVENTS")
     run_dir = os.environ.get("GEOTRAIN_RUN_DIR")
     try:
         spec = LaunchSpec.load(a.spec)
-        if a.torchrun:
-            t = from_env(spec, os.environ)
+        if a.torchrun is not None:  # =NODE: torchrun's rendezvous does not number nodes
+            t = torchrun.enter(spec, a.torchrun or None, os.environ)
             a.node, a.local_rank = t.node, t.local_rank
-            os.environ["GEOTRAIN_RESTART"] = str(t.restart)  # the codec's epoch
+            os.environ["GEOTRAIN_TORCHRUN"] = json.dumps(t.fields())  # for the start event
         run(
             spec,
             a.node,
@@ -52,6 +56,7 @@ def main(argv: list[str] | None = None) -> None:
         )
     except GeotrainError as e:
         print(f"geotrain worker {a.node}/{a.local_rank}: error: {e}", file=sys.stderr)
+        torchrun.record_failure(events, a.node, a.local_rank, e)
         _exit(e.exit_code)
     _exit(0)
 

@@ -148,8 +148,8 @@ def _privacy(p: Privacy | None) -> PrivacySpec | None:
 def render_worker_unit(plan: Plan, node: PlanNode) -> str:
     """systemd unit that runs one node's workers (hosts the agent deploys to).
 
-    `geotrain launch` restarts its worker group itself (max_restarts, like torchrun's
-    agent), so systemd restarts only a launcher that was killed (on-abnormal), at most
+    `geotrain launch` runs the node's torchrun, which restarts its worker group
+    (max_restarts), so systemd restarts only a launcher that was killed (on-abnormal), at most
     max_restarts + 1 times an hour; exit 2 (bad input) is never restarted. The start-limit
     keys belong to [Unit] (systemd ignores them in [Service]). Relative paths of the spec
     (checkpoints, key) resolve against WorkingDirectory."""

@@ -85,6 +85,18 @@ def test_kill_9_resumes_and_ends_bitwise_equal_to_an_uninterrupted_run(tmp_path:
     # plus the save that was in flight
     assert resumed and min(resumed) >= committed_at_kill, (resumed, committed_at_kill, out)
     assert step_at_kill - min(resumed) <= 2 * 3
+    # every worker ran under torchrun, one agent per node; the victim's agent restarted
+    # its workers (its restart count), and torchrun restarted the whole job: every rank
+    # started again, in a new session, after the kill
+    starts = [e for e in events(run_dir) if e["event"] == "start"]
+    assert all(
+        {"torchrun_restart", "torchrun_rank", "torchrun_group_rank"} <= e.keys() for e in starts
+    )
+    killed = next(e for e in starts if e["pid"] == victim)
+    again = [e for e in starts if e["session"] != killed["session"]]
+    assert sorted(e["rank"] for e in again) == list(range(6)), starts
+    assert {e["torchrun_restart"] for e in again if e["node"] == killed["node"]} == {1}
+    assert f"worker {killed['node']}/" in out and "exited with -9" in out, out
     ra, rb = _final(a, "same"), _final(b, "same")
     for k in ra:
         assert torch.equal(ra[k], rb[k]), k

@@ -533,12 +533,17 @@ def test_cipher_none_still_authenticates_a_flipped_byte_is_refused(
 # -- 9. hostile versus transient --------------------------------------------------------------
 STUB = """
 import json, os, sys, time
-rank, kind, restart = int(sys.argv[1]), sys.argv[2], int(os.environ["GEOTRAIN_RESTART"])
+kind, rank = sys.argv[1], int(sys.argv[2]) + int(os.environ["LOCAL_RANK"])
+run_dir = os.environ["GEOTRAIN_RUN_DIR"]
+with open(f"{run_dir}/starts-{rank}", "a+") as f:  # this rank's starts so far, this one too
+    f.write("x")
+    f.seek(0)
+    restarted = len(f.read()) > 1
 def emit(**e):
     with open(os.environ["GEOTRAIN_EVENTS"], "a") as f:
         f.write(json.dumps({"t": time.time(), "rank": rank, **e}) + "\\n")
-if kind == "transient" and restart > 0:
-    sys.exit(0)  # the restarted group gets clean traffic
+if kind == "transient" and restarted:
+    sys.exit(0)  # the restarted job gets clean traffic
 if rank == 1:
     emit(event="rejected", kind=kind, reason=f"a {kind} reject", total=1)
     time.sleep(0.5)  # its peer, cut off, exits first
@@ -552,20 +557,28 @@ sys.exit(1)  # the peer: a collective error
 def test_a_hostile_reject_stops_the_job_and_a_transient_one_restarts_it(
     tmp_path: Path, kind: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    spec = make_spec(2, 1, max_restarts=2)
+    """Real torchrun agents, one per node (c10d rendezvous), running a stub worker."""
+    from geotrain.commands import free_port
+    from training.keys import create_key_file
+
+    spec = make_spec(2, 1, max_restarts=2, master_port=free_port())
+    spec = dataclasses.replace(spec, key_file=str(tmp_path / "run.key"))
+    create_key_file(Path(spec.key_file))
     nodes = [n for r in spec.regions for n in r.nodes]
+    (tmp_path / "stub.py").write_text(STUB)
 
-    def command(spec_path: Path, node: Any, local_rank: int) -> list[str]:
-        return [sys.executable, "-c", STUB, str(node.first_rank + local_rank), kind]
+    def entry(spec_path: Path, node: Any) -> list[str]:
+        return [str(tmp_path / "stub.py"), kind, str(node.first_rank)]
 
-    monkeypatch.setattr(launch, "worker_command", command)
+    monkeypatch.setattr(launch, "worker_entry", entry)
     monkeypatch.setattr(launch.signal, "signal", lambda *a: None)  # not this process's
     result = launch.launch(spec, tmp_path / "spec.json", nodes, tmp_path / "run")
-    if kind == "hostile":
+    if kind == "hostile":  # stopped at once: torchrun would have retried it twice
         [only] = result.attempts
         assert (only.rc, only.failed, only.hostile) == (2, "n1/0", "a hostile reject")
-    else:
-        assert len(result.attempts) == 2 and result.ok, result
+    else:  # one job-wide restart: the failures the agents saw, then the end
+        assert result.ok and {a.failed for a in result.attempts[:-1]} <= {"n0/0", "n1/0"}
+        assert "n1/0" in {a.failed for a in result.attempts}, result
 
 
 def test_the_rejected_count_is_exported_and_survives_a_restart(tmp_path: Path) -> None:

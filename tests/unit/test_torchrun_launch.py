@@ -1,0 +1,64 @@
+"""One torchrun per node (training.launch): its command line, and how a worker under c10d
+tells who it is. The runs themselves: tests/unit/test_security.py (real agents, a stub
+worker) and tests/integration/test_train_local.py (kill -9, job-wide restart)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from training import launch, torchrun
+from training.errors import SpecError
+from training.testing import make_spec
+
+
+def test_each_node_runs_torchrun_with_c10d_at_the_launchers_store_and_names_its_node() -> None:
+    spec = make_spec(2, [2, 3], master_port=29555, max_restarts=4)
+    node = spec.regions[1].nodes[0]
+    argv = launch.torchrun_command(spec, Path("s.json"), node)
+    assert argv[1:3] == ["-m", "torch.distributed.run"]
+    for arg in (
+        "--nnodes=2",
+        "--nproc-per-node=3",
+        "--rdzv-backend=c10d",
+        "--rdzv-endpoint=127.0.0.1:29555",
+        "--rdzv-conf=is_host=false,read_timeout=600",  # the launcher hosts the store
+        f"--local-addr={node.host}",
+        "--max-restarts=4",
+    ):
+        assert arg in argv, argv
+    assert argv[-5:] == ["-m", "training.worker", "--torchrun=n1", "--spec", "s.json"]
+    assert launch.store_command(spec)[-2:] == ["127.0.0.1", "29555"]
+
+
+def test_in_the_lab_torchrun_and_the_store_run_in_their_nodes_namespace() -> None:
+    spec = make_spec(2, 1)
+    lab = [dataclasses.replace(r.nodes[0], netns=f"ns-{r.name}") for r in spec.regions]
+    regions = [dataclasses.replace(r, nodes=[n]) for r, n in zip(spec.regions, lab, strict=True)]
+    spec = dataclasses.replace(spec, regions=regions)
+    argv = launch.torchrun_command(spec, Path("s.json"), lab[1])
+    assert argv[:4] == ["ip", "netns", "exec", "ns-frankfurt"]
+    assert launch.store_command(spec)[:4] == ["ip", "netns", "exec", "ns-beijing"]
+
+
+C10D = {
+    "RANK": "0",
+    "LOCAL_RANK": "1",
+    "WORLD_SIZE": "4",
+    "GROUP_RANK": "0",
+    "TORCHELASTIC_RESTART_COUNT": "1",
+}
+"""c10d numbered the second node 0 (nodes are numbered in the order they join)."""
+
+
+def test_under_c10d_the_worker_is_the_node_the_launcher_named_whatever_torchrun_numbered() -> None:
+    spec = make_spec(2, 2)
+    t = torchrun.from_env(spec, C10D, "n1")
+    assert (t.node, t.local_rank, t.restart) == ("n1", 1, 1)
+    assert t.fields() == {"torchrun_restart": 1, "torchrun_rank": 0, "torchrun_group_rank": 0}
+    with pytest.raises(SpecError, match="WORLD_SIZE 6 is not the spec's 4"):
+        torchrun.from_env(spec, {**C10D, "WORLD_SIZE": "6"}, "n1")
+    with pytest.raises(SpecError, match="n7"):
+        torchrun.from_env(spec, C10D, "n7")
