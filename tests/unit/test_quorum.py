@@ -22,7 +22,7 @@ from infra.model import load_stack
 from infra.model.load import STACKS_DIR as STACKS
 from infra.plan import build_plan
 from infra.render.runtime import render_launch_spec
-from training import launch
+from training import ft_launch
 from training.errors import ConfigError, SpecError, TransientReject
 from training.ft_launch import run_regions
 from training.heal import SealedTransport, seal, unseal
@@ -184,7 +184,7 @@ def _fake_workers(
         hold = str((holds or {"n0": 0.6}).get(node.name, 0))
         return [sys.executable, "-c", script, str(tmp / node.name), ",".join(map(str, c)), hold]
 
-    monkeypatch.setattr(launch, "worker_command", command)
+    monkeypatch.setattr(ft_launch, "worker_command", command)
 
 
 def _starts(tmp: Path, node: str) -> int:
