@@ -36,7 +36,6 @@ import statistics
 import subprocess
 import sys
 import time
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +48,7 @@ from training.gradsync import hierarchical_step
 from training.hier import HierarchicalAllReduce
 from training.model import build_model
 from training.spec import AdaptiveSpec, CodecSpec
-from training.testing import make_spec, run_world
+from training.testing import join_lab_world, make_spec, run_world
 from training.topology import Topology, make_groups
 
 REGIONS = 3
@@ -135,21 +134,7 @@ def lab_worker(spec_path: str, rank: int, steps: int, out: str, codecs: list[str
     this shared machine, which drifts over minutes, so a row is not a different time."""
     import torch.distributed as dist
 
-    from training import gloo
-    from training.spec import LaunchSpec
-
-    torch.set_num_threads(1)
-    spec = LaunchSpec.load(spec_path)
-    node = next(
-        n for r in spec.regions for n in r.nodes if n.first_rank <= rank < n.first_rank + n.nprocs
-    )
-    store = dist.TCPStore(
-        spec.master_addr, spec.master_port, spec.world_size, rank == 0, timedelta(seconds=120)
-    )
-    dist.init_process_group(
-        gloo.bind(node.host), store=store, rank=rank, world_size=spec.world_size
-    )
-    topo = Topology.of(spec, rank)
+    spec, topo = join_lab_world(spec_path, rank, 120)
     groups = make_groups(topo, torch.device("cpu"))
     text = load_region_text(spec.regions[topo.region_index], topo.region_index, topo.regions)
     runs: dict[str, Any] = {}

@@ -30,7 +30,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -64,28 +63,16 @@ def worker(spec_path: str, rank: int, mode: str, steps: int, out: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from training import gloo
     from training.codec import Codec
     from training.data import ByteLoader, load_region_text
+    from training.gradsync import hierarchical_step
     from training.hier import HierarchicalAllReduce
     from training.model import build_model
-    from training.spec import LaunchSpec
+    from training.testing import join_lab_world
     from training.topo_exchange import TopologyExchange
-    from training.topology import Topology, make_groups
-    from training.worker import hierarchical_step
+    from training.topology import make_groups
 
-    torch.set_num_threads(1)
-    spec = LaunchSpec.load(spec_path)
-    node = next(
-        n for r in spec.regions for n in r.nodes if n.first_rank <= rank < n.first_rank + n.nprocs
-    )
-    store = dist.TCPStore(
-        spec.master_addr, spec.master_port, spec.world_size, rank == 0, timedelta(seconds=60)
-    )
-    dist.init_process_group(
-        gloo.bind(node.host), store=store, rank=rank, world_size=spec.world_size
-    )
-    topo = Topology.of(spec, rank)
+    spec, topo = join_lab_world(spec_path, rank, 60)
     sync = HierarchicalAllReduce(
         topo, make_groups(topo, torch.device("cpu")), Codec(spec.codec, bytes(range(32))), "b"
     )

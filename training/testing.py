@@ -153,3 +153,24 @@ class WorldError(RuntimeError):
             f"ranks {sorted(errors)} failed; rank {first}: "
             f"{errors[first][0]}: {errors[first][1]}\n{errors[first][2]}"
         )
+
+
+def join_lab_world(spec_path: str, rank: int, timeout_s: float) -> tuple[LaunchSpec, Any]:
+    """A benchmark rank inside the lab (already in its node's namespace): the spec, and the
+    default process group joined over the node's private address, as training.job does.
+    Returns (spec, its Topology)."""
+    from training import gloo
+    from training.topology import Topology
+
+    torch.set_num_threads(1)
+    spec = LaunchSpec.load(spec_path)
+    node = next(
+        n for r in spec.regions for n in r.nodes if n.first_rank <= rank < n.first_rank + n.nprocs
+    )
+    store = dist.TCPStore(
+        spec.master_addr, spec.master_port, spec.world_size, rank == 0, timedelta(seconds=timeout_s)
+    )
+    dist.init_process_group(
+        gloo.bind(node.host), store=store, rank=rank, world_size=spec.world_size
+    )
+    return spec, Topology.of(spec, rank)
