@@ -216,14 +216,26 @@ def _die_with_parent() -> None:
 
 
 def record_failure(
-    events: str | None, node: str | None, local_rank: int | None, e: Exception
+    events: str | None,
+    spec: LaunchSpec | None,
+    node: str | None,
+    local_rank: int | None,
+    e: Exception,
 ) -> None:
     """The worker's last event before it exits with a GeotrainError: the launcher stops
-    the run at once on exit code 2 (bad input), which no torchrun restart can cure."""
+    the run at once on exit code 2 (bad input), which no torchrun restart can cure. Like
+    every event it names the region and rank, when the spec and node are known."""
     if not events:
         return
     code = getattr(e, "exit_code", 1)
-    line = {"event": "failed", "node": node, "local_rank": local_rank, "exit_code": code}
+    line: dict[str, object] = {"event": "failed", "region": None, "rank": None}
+    if spec is not None and node is not None:
+        try:
+            region, n = spec.node(node)
+            line |= {"region": region.name, "rank": n.first_rank + (local_rank or 0)}
+        except GeotrainError:  # an unknown node: the error being recorded, maybe
+            pass
+    line |= {"node": node, "local_rank": local_rank, "exit_code": code}
     line |= {"reason": str(e), "t": time.time()}
     with open(events, "a", encoding="utf-8") as f:  # one write(): atomic append
         f.write(json.dumps(line) + "\n")

@@ -41,6 +41,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(int(os.environ.get("GEOTRAIN_THREADS", "1")))
     events = os.environ.get("GEOTRAIN_EVENTS")
     run_dir = os.environ.get("GEOTRAIN_RUN_DIR")
+    spec: LaunchSpec | None = None
     try:
         spec = LaunchSpec.load(a.spec)
         if a.torchrun is not None:  # =NODE: torchrun's rendezvous does not number nodes
@@ -56,7 +57,7 @@ def main(argv: list[str] | None = None) -> None:
         )
     except GeotrainError as e:
         print(f"geotrain worker {a.node}/{a.local_rank}: error: {e}", file=sys.stderr)
-        torchrun.record_failure(events, a.node, a.local_rank, e)
+        torchrun.record_failure(events, spec, a.node, a.local_rank, e)
         _exit(e.exit_code)
     _exit(0)
 
