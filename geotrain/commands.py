@@ -109,10 +109,13 @@ def _train(stack: str, spec: LaunchSpec, spec_path: Path, run_dir: Path) -> None
     progress = Progress(log, spec.steps)
 
     def restarted(a: object) -> None:
-        progress.say(
-            f"worker {getattr(a, 'failed', '?')} exited with "
-            f"{getattr(a, 'rc', '?')}; restarting from the newest checkpoint"
-        )
+        who = str(getattr(a, "failed", "?"))
+        how = "restarting from the newest checkpoint"
+        if spec.fault_tolerance is not None:  # torchrun restarts that region alone
+            node = who.split("/")[0]
+            region = next((r.name for r in spec.regions for n in r.nodes if n.name == node), "?")
+            how = f"restarting region {region} alone; it heals from a live peer"
+        progress.say(f"worker {who} exited with {getattr(a, 'rc', '?')}; {how}")
 
     prom = _start_monitoring(stack, spec.metrics_port, run_dir)
     try:

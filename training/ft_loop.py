@@ -4,6 +4,7 @@ region its own c10d world, and its own checkpoints."""
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from datetime import timedelta
@@ -36,8 +37,8 @@ def setup(
     region, node = spec.node(node_name)
     topo = Topology.of(spec, rank)
     wait = timedelta(seconds=RENDEZVOUS_TIMEOUT_S)
-    store = region_world(spec, topo, node.host, wait)
-    wait_for_all(store, topo.local_size, wait)
+    world = region_world(spec, topo, node.host, wait)
+    wait_for_all(world.store, topo.local_size, wait)
     device = torch.device("cpu")
     groups = Groups(intra=dist.group.WORLD, cross=None, device=device)
     ckpt = region_checkpointer(spec, topo, node.name, key, run_dir)
@@ -72,6 +73,7 @@ def setup(
         topo,
         key,
         node.host,
+        (world.addr, world.port),
         dist.group.WORLD,
         device,
         sync.stats,
@@ -234,6 +236,7 @@ def run(
         sync=spec.sync,
         warmup=spec.diloco.warmup_steps if spec.sync == "diloco" else 0,
         ft=True,  # sessions are per quorum (training.quorum), not per start
+        **json.loads(os.environ.get("GEOTRAIN_TORCHRUN", "{}")),
     )
     try:
         resumed = st.resume(job)

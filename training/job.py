@@ -102,7 +102,9 @@ def preflight(spec: LaunchSpec, node_name: str, local_rank: int) -> tuple[int, b
             f"local rank {local_rank} is outside node {node_name}'s {node.nprocs} workers"
         )
     world = int(os.environ.get("WORLD_SIZE", spec.world_size))
-    if world != spec.world_size:
+    # under torchrun, training.torchrun.from_env checked it against its job's world (under
+    # fault_tolerance the region's)
+    if world != spec.world_size and "TORCHELASTIC_RUN_ID" not in os.environ:
         raise SpecError(
             f"WORLD_SIZE={world} but the spec of run {spec.run_id} has "
             f"{spec.world_size} workers; re-render the spec or fix the launcher"

@@ -4,16 +4,18 @@ single-machine stack (`geotrain train`), each node through torchrun.
 Every node gets one torchrun (`torch.distributed.run`; in the lab inside the node's network
 namespace) that starts its workers (`training.worker --torchrun=NODE`), supervises
 them and restarts them. The torchruns of a run meet in torchrun's c10d rendezvous, so a
-restart is job-wide: when a worker fails, its agent stops the node's other workers and
-opens a new rendezvous round, and every other agent, seeing a node waiting, stops and
-restarts its workers too; every rank then resumes from the newest committed checkpoint
-(training.checkpoint). Each agent restarts its group at most `max_restarts` times.
+restart is job-wide (under fault_tolerance: region-wide, below): when a worker fails, its
+agent stops the node's other workers and opens a new rendezvous round, and every other
+agent, seeing a node waiting, stops and restarts its workers too; every rank then resumes
+from the newest committed checkpoint (training.checkpoint). Each agent restarts its group
+at most `max_restarts` times.
 
 What stays here, because torchrun cannot do it:
 - **The rendezvous store, bound to the master address.** torchrun's c10d backend would
-  host its TCPStore on every interface; the launcher of the node that holds rank 0 hosts
-  it instead (`training.rdzv_host`: bound to the master address only, in the node's
-  namespace) and every agent joins it as a client (`is_host=false`). The workers' own
+  host its TCPStore on every interface; the launcher of the node that holds rank 0 (under
+  fault_tolerance: of each region's first node) hosts it instead (`training.rdzv_host`:
+  bound to that address only, in the node's namespace) and every agent joins it as a
+  client (`is_host=false`). The workers' own
   store of each round is bound the same way (training.torchrun.torchrun_store).
 - **Final failures stop at once.** Bad input (exit code 2) and a hostile reject cannot be
   cured by a restart; torchrun would retry them `max_restarts` times. The worker records
@@ -26,9 +28,14 @@ What stays here, because torchrun cannot do it:
   torchrun (which stops its workers); a launcher killed outright takes the torchruns
   along through the kernel's parent-death signal, and each worker dies with its agent
   the same way.
-- **fault_tolerance** (regions as torchft replica groups): the Lighthouse is hosted here,
-  and the workers are still started directly by training.ft_launch, which restarts a
-  failed region alone.
+- **fault_tolerance** (regions as torchft replica groups, training.quorum): each region is
+  its own torchrun job (`rdzv_jobs`): its nodes' torchruns meet at the region's own
+  rendezvous store (its first node, `store_port + region index`), so torchrun restarts a
+  failed region alone, QuorumLost (exit 3) included, while the others train on; the
+  restarted workers heal from a live peer. The Lighthouse is hosted here too. Once one
+  region finished the run, the others get FINISH_GRACE_S to finish: a region still
+  running after it, or failing, came back too late (nobody is left to heal from) and is
+  stopped rather than waited for.
 """
 
 from __future__ import annotations
@@ -62,6 +69,8 @@ JOIN_S = 600
 rendezvous waited as long: training.worker.RENDEZVOUS_TIMEOUT_S)."""
 FAILED = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+)")
 """torchrun's log line for a worker that failed (torch.distributed.elastic.multiprocessing)."""
+FINISH_GRACE_S = 30.0
+"""fault_tolerance: once one region finished the run, how long the others get to finish."""
 
 
 @dataclass
@@ -123,6 +132,47 @@ def master_node(spec: LaunchSpec) -> NodeSpec:
     return next(n for r in spec.regions for n in r.nodes if n.first_rank == 0)
 
 
+@dataclass(frozen=True)
+class RdzvJob:
+    """One torchrun rendezvous: the nodes whose workers restart together."""
+
+    name: str
+    """`run` (every node), or under fault_tolerance the region's name."""
+    nodes: tuple[NodeSpec, ...]
+    addr: str
+    port: int
+    """The rendezvous store: bound to `addr` only, in `host`'s namespace."""
+    rdzv_id: str
+    host: NodeSpec
+    """The node whose launcher hosts the store."""
+
+
+def rdzv_jobs(spec: LaunchSpec) -> list[RdzvJob]:
+    """The run's torchrun jobs: one for every node, or under fault_tolerance one per
+    region, meeting at the region's store (its first node, store_port + region index), so
+    a failed or cut-off region restarts alone while the others train on."""
+    ft = spec.fault_tolerance
+    if ft is None:
+        every = tuple(n for r in spec.regions for n in r.nodes)
+        master = master_node(spec)
+        return [RdzvJob("run", every, spec.master_addr, spec.master_port, spec.run_id, master)]
+    return [
+        RdzvJob(
+            r.name,
+            tuple(r.nodes),
+            r.nodes[0].host,
+            ft.store_port + i,
+            f"{spec.run_id}-{r.name}",
+            r.nodes[0],
+        )
+        for i, r in enumerate(spec.regions)
+    ]
+
+
+def job_of(spec: LaunchSpec, node: NodeSpec) -> RdzvJob:
+    return next(j for j in rdzv_jobs(spec) if node.name in {n.name for n in j.nodes})
+
+
 def worker_entry(spec_path: Path, node: NodeSpec) -> list[str]:
     """What torchrun starts on `node` (after `python`)."""
     # --torchrun=NODE, one word: torchrun's own parser takes `--node ...` for --node-rank
@@ -130,19 +180,19 @@ def worker_entry(spec_path: Path, node: NodeSpec) -> list[str]:
 
 
 def torchrun_command(spec: LaunchSpec, spec_path: Path, node: NodeSpec) -> list[str]:
-    """One node's torchrun: c10d rendezvous (job-wide restarts) at the master's store,
-    which the launcher hosts (`is_host=false`); ranks and the workers' store address come
+    """One node's torchrun: c10d rendezvous (restarts of its whole job) at the job's store,
+    which a launcher hosts (`is_host=false`); ranks and the workers' store address come
     from the node's own address."""
-    nnodes = sum(len(r.nodes) for r in spec.regions)
+    job = job_of(spec, node)
     argv = [
         sys.executable,
         "-m",
         "torch.distributed.run",
-        f"--nnodes={nnodes}",
+        f"--nnodes={len(job.nodes)}",
         f"--nproc-per-node={node.nprocs}",
         "--rdzv-backend=c10d",
-        f"--rdzv-endpoint={spec.master_addr}:{spec.master_port}",
-        f"--rdzv-id={spec.run_id}",
+        f"--rdzv-endpoint={job.addr}:{job.port}",
+        f"--rdzv-id={job.rdzv_id}",
         # hosts start minutes apart: an agent waits that long for the store (torchrun's
         # default: 60 s) as for the other nodes (join_timeout, 600 s by default)
         f"--rdzv-conf=is_host=false,read_timeout={JOIN_S}",
@@ -154,9 +204,9 @@ def torchrun_command(spec: LaunchSpec, spec_path: Path, node: NodeSpec) -> list[
     return in_netns(node, argv)
 
 
-def store_command(spec: LaunchSpec) -> list[str]:
-    argv = [sys.executable, "-m", "training.rdzv_host", spec.master_addr, str(spec.master_port)]
-    return in_netns(master_node(spec), argv)
+def store_command(job: RdzvJob) -> list[str]:
+    argv = [sys.executable, "-m", "training.rdzv_host", job.addr, str(job.port)]
+    return in_netns(job.host, argv)
 
 
 def _stop(procs: object) -> None:
@@ -205,17 +255,16 @@ def launch(
         signal.signal(sig, _exit_on_signal)
     result = LaunchResult()
     forget_records_of_fresh_roots(spec, nodes, run_dir)
-    if spec.fault_tolerance is not None:  # a failed region restarts alone
-        from training.ft_launch import attempts
-
-        with _lighthouse(spec, spec_path, nodes):
-            attempts(spec, spec_path, nodes, run_dir, result, on_poll, on_restart)
-        return result
     bad = preflight(spec, nodes, run_dir / "logs")
     if bad is not None:
         result.attempts.append(bad)
         return result
-    Supervisor(spec, spec_path, nodes, run_dir, result).run(on_poll, on_restart)
+    supervisor = Supervisor(spec, spec_path, nodes, run_dir, result)
+    if spec.fault_tolerance is None:
+        supervisor.run(on_poll, on_restart)
+        return result
+    with _lighthouse(spec, spec_path, nodes):
+        supervisor.run(on_poll, on_restart)
     return result
 
 
@@ -248,7 +297,7 @@ def _lighthouse(
 
 @dataclass
 class Supervisor:
-    """The torchruns of `nodes` (and the rendezvous store when rank 0's node is here)."""
+    """The torchruns of `nodes`, and the rendezvous stores of their jobs hosted here."""
 
     spec: LaunchSpec
     spec_path: Path
@@ -260,6 +309,8 @@ class Supervisor:
     """Bytes of each node's torchrun log already read."""
     failures: dict[str, int] = field(default_factory=dict)
     """Failed workers each node's agent reported (its restart count, as torchrun keeps it)."""
+    finished_at: float | None = None
+    """fault_tolerance: when the first region here finished the run (monotonic)."""
 
     def run(
         self, on_poll: Callable[[], None] | None, on_restart: Callable[[Attempt], None] | None
@@ -268,10 +319,13 @@ class Supervisor:
         log_dir.mkdir(parents=True, exist_ok=True)
         env = worker_env(self.run_dir)
         t0, started = time.monotonic(), time.time()
-        store = None
-        if master_node(self.spec).name in {n.name for n in self.nodes}:
-            store = spawn(store_command(self.spec), env, log_dir / "rendezvous-store.log")
+        here = {n.name for n in self.nodes}
+        stores = []
         try:
+            for job in rdzv_jobs(self.spec):
+                if job.host.name in here:
+                    log = log_dir / f"rendezvous-store-{job.name}.log"
+                    stores.append(spawn(store_command(job), env, log))
             for n in self.nodes:
                 cmd = torchrun_command(self.spec, self.spec_path, n)
                 self.procs[n.name] = spawn(cmd, env, self._log(n.name))
@@ -280,8 +334,7 @@ class Supervisor:
             self.result.attempts.append(end)
         finally:
             _stop(self.procs.values())
-            if store is not None:
-                _stop([store])
+            _stop(stores)
 
     def _log(self, node: str) -> Path:
         return self.run_dir / "logs" / f"{node}-torchrun.log"
@@ -304,17 +357,51 @@ class Supervisor:
             )
             if final is not None:
                 return final
-            for a in new:
-                self.result.attempts.append(a)
-                node = str(a.failed).split("/")[0]
-                if on_restart and self.failures[node] <= self.spec.max_restarts:
-                    on_restart(a)
+            late_failures = self.finished_at is not None
+            if not late_failures:  # after it, a late region's failures are no restarts
+                for a in new:
+                    self.result.attempts.append(a)
+                    node = str(a.failed).split("/")[0]
+                    if on_restart and self.failures[node] <= self.spec.max_restarts:
+                        on_restart(a)
+            if self._region_finished(ended):
+                # a region is done: the run's weights are final, a late region not awaited;
+                # one that fails now has nobody left to heal from: stopped, not restarted
+                for a in new if late_failures else []:
+                    self._stop_job_of(str(a.failed).split("/")[0])
+                ended = {k: rc for k, p in self.procs.items() if (rc := p.poll()) is not None}
+                assert self.finished_at is not None
+                late = time.monotonic() - self.finished_at > FINISH_GRACE_S
+                if late or len(ended) == len(self.procs):
+                    return Attempt(0)
+                time.sleep(POLL_S)
+                continue
             bad = {k: rc for k, rc in ended.items() if rc != 0}
-            if bad:
+            # fault_tolerance: a region out of restarts leaves the others training on
+            alone = self.spec.fault_tolerance is None or len(ended) == len(self.procs)
+            if bad and alone:
                 return self._ended(next(iter(bad)), bad)
             if len(ended) == len(self.procs):
                 return Attempt(0)
             time.sleep(POLL_S)
+
+    def _stop_job_of(self, node: str) -> None:
+        job = job_of(self.spec, self.spec.node(node)[1])
+        _stop([self.procs[n.name] for n in job.nodes if n.name in self.procs])
+
+    def _region_finished(self, ended: dict[str, int]) -> bool:
+        """fault_tolerance: every torchrun here of some region exited 0 (from then on the
+        others' failures are not restarts of the run)."""
+        if self.finished_at is not None:
+            return True
+        if self.spec.fault_tolerance is None:
+            return False
+        for job in rdzv_jobs(self.spec):
+            mine = [n.name for n in job.nodes if n.name in self.procs]
+            if mine and all(ended.get(n) == 0 for n in mine):
+                self.finished_at = time.monotonic()
+                return True
+        return False
 
     def _ended(self, node: str, bad: dict[str, int]) -> Attempt:
         """A torchrun that exited non-zero: its last failed worker, once out of restarts."""

@@ -7,8 +7,9 @@ and heals from a live peer (`fault_tolerance` in the launch spec).
   group `region<r>`; its ManagerServer, heal server and advertised addresses are the node's
   own (overlay) address, never the hostname default.
 - **Inside a region** the ranks keep their normal group: each region is its own c10d world
-  (rendezvous store on its first node at `store_port + region index`), so a dead region
-  breaks no collective of another.
+  and its own torchrun job (training.launch: rendezvous store on its first node at
+  `store_port + region index`), so a dead region breaks no collective of another, and
+  torchrun restarts a failed region alone.
 - **Across regions** the Manager reconfigures a torchft `ProcessGroupGloo` per quorum: rank
   l of every region in the quorum. Our sync (training.hier: the codec, SM4-GCM, error
   feedback) runs on that group through a `QuorumTopology` view: the quorum's regions, and
@@ -32,7 +33,7 @@ and heals from a live peer (`fault_tolerance` in the launch spec).
   phase the donor is in (before a step, or at a merge). A region healed into a merge
   contributes nothing to that merge (its pseudo-gradient would duplicate the donor's).
 - **Fewer than `min_replicas`** regions, or a region cut off: its quorum times out, it
-  stops with QuorumLost (exit 3) and restarts from its checkpoints (training.ft_launch);
+  stops with QuorumLost (exit 3) and its torchrun restarts it from its checkpoints;
   a region that resumes behind the others heals from the furthest one.
 """
 
@@ -62,7 +63,7 @@ from torchft._torchft import LighthouseServer
 from torchft.manager import Manager
 from torchft.process_group import ProcessGroupGloo
 
-from training import gloo
+from training import gloo, torchrun
 from training.checkpoint import Checkpointer, node_group
 from training.codec import Codec
 from training.errors import QuorumLost, SpecError, TransientReject
@@ -253,6 +254,8 @@ class Quorum:
     topo: Topology
     key: bytes
     host: str
+    store_at: tuple[str, int]
+    """The region's store (region_world): where this rank's Manager keeps its keys."""
     intra: Any
     device: torch.device
     stats: SyncStats
@@ -285,7 +288,6 @@ class Quorum:
         self.transport = SealedTransport(
             self.host, self.key, self.spec.run_id, self.spec.codec.cipher
         )
-        first = self.spec.regions[self.topo.region_index].nodes[0].host
         with _manager_server_on(self.host):
             self.manager = Manager(
                 pg=self.pg,
@@ -298,8 +300,8 @@ class Quorum:
                 connect_timeout=t,
                 rank=self.topo.local_rank,
                 world_size=self.topo.local_size,
-                store_addr=first,
-                store_port=ft.store_port + self.topo.region_index,
+                store_addr=self.store_at[0],
+                store_port=self.store_at[1],
                 lighthouse_addr=lighthouse_url(ft),
                 replica_id=f"{REPLICA_PREFIX}{self.topo.region_index}",
                 hostname=self.host,
@@ -440,16 +442,28 @@ def agree_quorum(key: bytes, run_id: str, q: Quorum, members: list[int]) -> tupl
 
 
 # -- the region's own world -----------------------------------------------------------
-def region_world(spec: LaunchSpec, topo: Topology, host: str, wait: timedelta) -> Any:
-    """Init this region's c10d world (its ranks only); returns the rendezvous store, which
-    the Manager and the cross-region groups of every quorum use too."""
+@dataclass(frozen=True)
+class RegionStore:
+    store: Any
+    addr: str
+    port: int
+
+
+def region_world(spec: LaunchSpec, topo: Topology, host: str, wait: timedelta) -> RegionStore:
+    """Init this region's c10d world (its ranks only); returns its store, which the Manager
+    and the cross-region groups of every quorum use too. Under torchrun (one job per
+    region: training.launch) it is the store of torchrun's round, at MASTER_ADDR:
+    MASTER_PORT; started directly (`--node --local-rank`), the region's first node hosts it
+    at store_port + region index."""
     ft = spec.fault_tolerance
     assert ft is not None
-    first = spec.regions[topo.region_index].nodes[0].host
     L = topo.local_size
-    store = rendezvous_store(
-        first, ft.store_port + topo.region_index, L, topo.local_rank == 0, wait
-    )
+    store = torchrun.torchrun_store(L, wait)
+    if store is not None:
+        at = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    else:
+        at = spec.regions[topo.region_index].nodes[0].host, ft.store_port + topo.region_index
+        store = rendezvous_store(*at, L, topo.local_rank == 0, wait)
     dist.init_process_group(
         gloo.bind(host),
         store=dist.PrefixStore("geotrain/region", store),
@@ -457,7 +471,7 @@ def region_world(spec: LaunchSpec, topo: Topology, host: str, wait: timedelta) -
         world_size=L,
         timeout=timedelta(seconds=120),
     )
-    return store
+    return RegionStore(store, *at)
 
 
 def region_checkpointer(

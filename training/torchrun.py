@@ -8,7 +8,8 @@ Two sides:
   static rendezvous at the spec's master address: `--nnodes` = every node of the spec,
   `--node-rank` = the node's index in spec order, `--nproc-per-node` = its workers;
 - the worker's side, `python -m training.worker --torchrun[=NODE]` (`enter`):
-  the local rank comes from torchrun's LOCAL_RANK; the node is NODE (training.launch
+  the local rank comes from torchrun's LOCAL_RANK (under fault_tolerance torchrun's world
+  is the node's region: each region is its own torchrun job); the node is NODE (training.launch
   names it: c10d numbers nodes in the order they join, not the spec's) or, in pods, the
   spec's node at torchrun's GROUP_RANK (checked: RANK must be the node's first rank +
   LOCAL_RANK). Its global rank is always the spec's. The worker records torchrun's
@@ -166,15 +167,15 @@ def from_env(spec: LaunchSpec, env: Mapping[str, str], node: str | None = None) 
         )
     nodes = _nodes(spec)
     group, local, rank = _int(env, "GROUP_RANK"), _int(env, "LOCAL_RANK"), _int(env, "RANK")
-    if _int(env, "WORLD_SIZE") != spec.world_size:
-        raise SpecError(
-            f"torchrun's WORLD_SIZE {env['WORLD_SIZE']} is not the spec's {spec.world_size}; "
-            "start every node's torchrun with --nproc-per-node = its workers"
-        )
     restart = int(env.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if node is not None:
-        spec.node(node)  # an unknown name is a SpecError naming the nodes
+        region, _ = spec.node(node)  # an unknown name is a SpecError naming the nodes
+        # under fault_tolerance each region is its own torchrun job (training.launch)
+        ft = spec.fault_tolerance is not None
+        world = sum(n.nprocs for n in region.nodes) if ft else spec.world_size
+        _world(env, world, f"region {region.name}'s" if ft else "the spec's")
         return TorchrunRank(node, local, restart, rank, group)
+    _world(env, spec.world_size, "the spec's")
     if not 0 <= group < len(nodes):
         raise SpecError(
             f"torchrun's GROUP_RANK {group} is outside the spec's {len(nodes)} nodes; "
@@ -188,6 +189,14 @@ def from_env(spec: LaunchSpec, env: Mapping[str, str], node: str | None = None) 
             "--nproc-per-node = its workers and --node-rank = its index in spec order"
         )
     return TorchrunRank(n.name, local, restart, rank, group)
+
+
+def _world(env: Mapping[str, str], world: int, whose: str) -> None:
+    if _int(env, "WORLD_SIZE") != world:
+        raise SpecError(
+            f"torchrun's WORLD_SIZE {env['WORLD_SIZE']} is not {whose} {world}; start every "
+            "node's torchrun with --nproc-per-node = its workers (training.launch does)"
+        )
 
 
 def enter(spec: LaunchSpec, node: str | None, env: Mapping[str, str]) -> TorchrunRank:

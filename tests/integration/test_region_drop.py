@@ -121,3 +121,103 @@ def test_losing_the_majority_stops_the_survivor_and_the_job_resumes_from_checkpo
         assert next(e["step"] for e in log if e["event"] == "resume") % 3 == 0
     assert _done(logs[0])["digest"] == _done(logs[1])["digest"]
     assert _done(logs[0])["step"] == steps
+
+
+# -- through the launcher: each region its own torchrun job ----------------------------------
+KILLED, SURVIVORS = "beijing", ("frankfurt", "silicon-valley")
+LOCAL_STEPS = 10
+
+
+def _of(log: list[dict[str, Any]], event: str, region: str) -> list[dict[str, Any]]:
+    return [e for e in log if e["event"] == event and e["region"] == region]
+
+
+def _region_steps(log: list[dict[str, Any]], region: str) -> list[int]:
+    return [e["step"] for e in _of(log, "step", region)]
+
+
+@pytest.mark.timeout(240)
+def test_geotrain_train_a_region_killed_is_restarted_by_its_torchrun_alone_and_heals(
+    tmp_path: Path,
+) -> None:
+    """`geotrain train` on the local stack with fault_tolerance: beijing's worker is killed
+    with -9; frankfurt and silicon-valley train on; beijing's torchrun (its region is its
+    own torchrun job) restarts it, it heals from a live peer and all end bitwise equal."""
+    import time
+
+    import yaml
+
+    from tests.integration.helpers import events, small_stack, start
+
+    path = small_stack(
+        tmp_path,
+        "ftkill",
+        steps=LOCAL_STEPS,
+        checkpoint={"interval_steps": 2, "keep": 2},
+        fault_tolerance={
+            "lighthouse": "frankfurt",
+            "heartbeat_timeout_s": 2,
+            "timeout_s": 5,
+            "quorum_timeout_s": 30,
+        },
+    )
+    doc = yaml.safe_load(path.read_text())
+    for r in doc["config"]["geotrain:regions"]:
+        r["pool"]["nodes"][0]["gpus"] = 1  # one worker per region: 2 cores
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    run = tmp_path / ".geotrain" / "ftkill"
+    proc = start("train", "--stack", str(path), cwd=tmp_path)
+    stopped: list[int] = []
+
+    def wait(what: str, ok: Any) -> None:
+        deadline = time.monotonic() + 90
+        while not ok():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                out = proc.communicate()[0] if proc.poll() is not None else ""
+                raise AssertionError(f"waiting for {what}; train exited {proc.poll()}: {out}")
+            time.sleep(0.1)
+
+    try:
+        wait("beijing at step 2", lambda: len(_region_steps(events(run), KILLED)) >= 2)
+        os.kill(_of(events(run), "start", KILLED)[-1]["pid"], signal.SIGKILL)
+        t_kill = time.time()
+
+        def without_killed() -> int:
+            log = [e for e in events(run) if e["t"] > t_kill]
+            out = [e for e in _of(log, "quorum", SURVIVORS[0]) if e["excluded"] == [KILLED]]
+            return len([s for s in _region_steps(log, SURVIVORS[0]) if out and s > out[0]["step"]])
+
+        wait("two steps without beijing", lambda: without_killed() >= 2)
+        # hold the survivors while torchrun restarts beijing (the run would end first)
+        stopped = [_of(events(run), "start", r)[-1]["pid"] for r in SURVIVORS]
+        for pid in stopped:
+            os.kill(pid, signal.SIGSTOP)
+        wait("beijing restarted", lambda: len(_of(events(run), "start", KILLED)) == 2)
+        for pid in stopped:
+            os.kill(pid, signal.SIGCONT)
+        stopped = []
+        out, _ = proc.communicate(timeout=150)
+    finally:
+        for pid in stopped:
+            os.kill(pid, signal.SIGCONT)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, out[-3000:]
+    log = events(run)
+    for r in SURVIVORS:  # never restarted, no step lost or repeated
+        assert len(_of(log, "start", r)) == 1
+        s = _region_steps(log, r)
+        assert s == list(range(s[0], LOCAL_STEPS + 1))
+    # beijing: restarted by its own torchrun (its restart count), then healed
+    starts = _of(log, "start", KILLED)
+    assert [e["torchrun_restart"] for e in starts] == [0, 1]
+    assert all("torchrun_rank" in e and "torchrun_group_rank" in e for e in starts)
+    back = [e for e in log if e["region"] == KILLED and e["t"] >= starts[1]["t"]]
+    healed = [e for e in back if e["event"] == "healed"]
+    assert healed and healed[0]["phase"] == "step"
+    assert "restart" in out  # the launcher reported the failure torchrun restarted
+    done = {e["region"]: e for e in log if e["event"] == "done"}
+    assert set(done) == {KILLED, *SURVIVORS}
+    assert len({e["digest"] for e in done.values()}) == 1
+    assert {e["step"] for e in done.values()} == {LOCAL_STEPS}

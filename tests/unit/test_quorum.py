@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import socket
-import sys
 from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
@@ -22,9 +22,8 @@ from infra.model import load_stack
 from infra.model.load import STACKS_DIR as STACKS
 from infra.plan import build_plan
 from infra.render.runtime import render_launch_spec
-from training import ft_launch
+from training import launch
 from training.errors import ConfigError, SpecError, TransientReject
-from training.ft_launch import run_regions
 from training.heal import SealedTransport, seal, unseal
 from training.metrics import RuntimeMetrics
 from training.quorum import arrived, lighthouse_for, validate, view
@@ -163,78 +162,126 @@ def test_every_quorum_listener_is_listed_at_a_node_address_for_the_policy_facts(
     assert not [e for e in listeners(make_spec(2, 1)) if e["service"] in QUORUM_SERVICES]
 
 
-# -- the launcher restarts a failed region alone --------------------------------------------
-def _fake_workers(
-    monkeypatch: pytest.MonkeyPatch,
+# -- torchrun restarts a failed region alone (training.launch, real torchrun agents) --------
+STUB = """
+import json, os, sys, time
+node, codes, holds, until = sys.argv[1], *(a.split(",") for a in sys.argv[2:5])
+local, run = os.environ["LOCAL_RANK"], os.environ["GEOTRAIN_RUN_DIR"]
+with open(f"{run}/starts-{node}-{local}", "a+") as f:  # starts so far, this one too
+    f.write("x")
+    f.seek(0)
+    n = len(f.read()) - 1
+seen = {v: os.environ[v] for v in ("RANK", "WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR")}
+seen |= {"restart": os.environ["TORCHELASTIC_RESTART_COUNT"], "node": node, "local": local}
+with open(f"{run}/env.jsonl", "a") as f:
+    f.write(json.dumps(seen) + "\\n")
+code = int(codes[n])
+for w in filter(None, until if code == 0 else []):  # ends once others came back (file:starts)
+    path, count = f"{run}/starts-" + w.split(":")[0], int(w.split(":")[1])
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        if os.path.exists(path) and len(open(path).read()) >= count:
+            break
+        time.sleep(0.05)
+if code == 2:  # bad input: the worker records it before it exits (torchrun.record_failure)
+    with open(os.environ["GEOTRAIN_EVENTS"], "a") as f:
+        e = {"event": "failed", "node": node, "local_rank": int(local), "exit_code": 2}
+        f.write(json.dumps({**e, "reason": "bad input", "t": time.time()}) + "\\n")
+time.sleep(float(holds[n]))
+sys.exit(code)
+"""
+
+
+def _supervise(
     tmp: Path,
-    codes: dict[str, list[int]],
-    holds: dict[str, float] | None = None,
+    monkeypatch: pytest.MonkeyPatch,
+    sizes: list[int],
+    workers: dict[str, tuple[str, str, str]],
+) -> tuple[launch.LaunchResult, Path]:
+    """Every region's torchrun (one job per region) running STUB; `workers[node]`: exit
+    codes per start, seconds each start holds, what it waits for first."""
+    from training.ft_testing import free_base
+
+    ft = replace(FT, store_port=free_base(len(sizes)))
+    spec = make_spec(len(sizes), sizes, fault_tolerance=ft, max_restarts=2)
+    (tmp / "stub.py").write_text(STUB)
+
+    def entry(spec_path: Path, node: Any) -> list[str]:
+        return [str(tmp / "stub.py"), node.name, *workers[node.name]]
+
+    monkeypatch.setattr(launch, "worker_entry", entry)
+    nodes = [n for r in spec.regions for n in r.nodes]
+    result = launch.LaunchResult()
+    launch.Supervisor(spec, tmp / "spec.json", nodes, tmp / "run", result).run(None, None)
+    return result, tmp / "run"
+
+
+def _starts(run: Path, worker: str) -> int:
+    return len((run / f"starts-{worker}").read_text())
+
+
+def test_torchrun_restarts_a_failed_or_cut_off_region_alone_while_the_others_train_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Workers that count their starts in tmp/<node>, run holds[node] seconds (default:
-    region 0 a while, the others not at all) and exit with codes[node][start]."""
-    script = (
-        "import sys, time, pathlib\n"
-        "p = pathlib.Path(sys.argv[1]); n = int(p.read_text()) if p.exists() else 0\n"
-        "p.write_text(str(n + 1)); time.sleep(float(sys.argv[3]))\n"
-        "sys.exit(int(sys.argv[2].split(',')[n]))\n"
+    """frankfurt's worker is killed (137), silicon-valley's lost its quorum (3) while
+    beijing (two workers) trains on; each region's torchrun restarts its own workers,
+    with the region as its world. Nobody ends before both came back."""
+    result, run = _supervise(
+        tmp_path,
+        monkeypatch,
+        [2, 1, 1],
+        {
+            "n0": ("0", "0", "n1-0:2,n2-0:2"),
+            "n1": ("137,0", "0.2,0", "n2-0:2"),
+            "n2": ("3,0", "0.2,0", "n1-0:2"),
+        },
     )
-
-    def command(spec_path: Path, node: Any, local_rank: int) -> list[str]:
-        c = codes[node.name]
-        hold = str((holds or {"n0": 0.6}).get(node.name, 0))
-        return [sys.executable, "-c", script, str(tmp / node.name), ",".join(map(str, c)), hold]
-
-    monkeypatch.setattr(ft_launch, "worker_command", command)
-
-
-def _starts(tmp: Path, node: str) -> int:
-    return int((tmp / node).read_text())
+    assert result.ok, result
+    assert sorted((a.rc, a.failed) for a in result.attempts[:-1]) == [(3, "n2/0"), (137, "n1/0")]
+    starts = {w: _starts(run, w) for w in ("n0-0", "n0-1", "n1-0", "n2-0")}
+    assert starts == {"n0-0": 1, "n0-1": 1, "n1-0": 2, "n2-0": 2}
+    seen = [json.loads(line) for line in (run / "env.jsonl").read_text().splitlines()]
+    assert {(e["node"], e["WORLD_SIZE"]) for e in seen} == {("n0", "2"), ("n1", "1"), ("n2", "1")}
+    assert sorted(e["restart"] for e in seen if e["node"] != "n0") == ["0", "0", "1", "1"]
+    assert {e["restart"] for e in seen if e["node"] == "n0"} == {"0"}
+    assert {e["MASTER_ADDR"] for e in seen} == {"127.0.0.1"}  # --local-addr, the node's
 
 
-def test_a_failed_region_restarts_alone_while_the_other_trains_on(
+def test_a_region_out_of_restarts_leaves_the_others_training_to_the_end(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    spec = make_spec(2, 1, fault_tolerance=FT, max_restarts=2)
-    _fake_workers(monkeypatch, tmp_path, {"n0": [0], "n1": [137, 0]})
-    nodes = [n for r in spec.regions for n in r.nodes]
-    attempt = run_regions(spec, tmp_path / "spec.json", nodes, dict(os.environ), tmp_path / "logs")
-    assert attempt.rc == 0
-    assert (_starts(tmp_path, "n0"), _starts(tmp_path, "n1")) == (1, 2)
+    result, run = _supervise(
+        tmp_path,
+        monkeypatch,
+        [1, 1],
+        {"n0": ("0", "0", "n1-0:3"), "n1": ("137,137,137", "0,0,0", "")},
+    )
+    assert result.ok, result  # beijing ended the run
+    assert _starts(run, "n0-0") == 1 and _starts(run, "n1-0") == 3  # max_restarts 2
+    assert [a.failed for a in result.attempts[:-1]] == ["n1/0"] * 3
 
 
-def test_a_region_that_lost_its_quorum_restarts_alone_while_the_others_train_on(
+def test_bad_input_in_one_region_stops_every_region_at_once(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A region cut off loses its quorum (exit 3) while the majority trains on: one
-    launcher running every region must not stop the others with it."""
-    spec = make_spec(2, 1, fault_tolerance=FT, max_restarts=2)
-    _fake_workers(monkeypatch, tmp_path, {"n0": [0], "n1": [3, 0]})
-    nodes = [n for r in spec.regions for n in r.nodes]
-    attempt = run_regions(spec, tmp_path / "spec.json", nodes, dict(os.environ), tmp_path / "logs")
-    assert attempt.rc == 0
-    assert (_starts(tmp_path, "n0"), _starts(tmp_path, "n1")) == (1, 2)
+    result, run = _supervise(
+        tmp_path, monkeypatch, [1, 1], {"n0": ("0", "60", ""), "n1": ("2", "0", "")}
+    )
+    [only] = result.attempts
+    assert (only.rc, only.failed) == (2, "n1/0")
+    assert only.seconds < 30  # not restarted, and the other region did not run on
+    assert _starts(run, "n1-0") == 1
 
 
-def test_bad_input_ends_the_attempt_of_every_region(
+def test_a_region_failing_after_another_finished_the_run_is_stopped_not_awaited(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    spec = make_spec(2, 1, fault_tolerance=FT, max_restarts=2)
-    _fake_workers(monkeypatch, tmp_path, {"n0": [0], "n1": [2]})
-    nodes = [n for r in spec.regions for n in r.nodes]
-    attempt = run_regions(spec, tmp_path / "spec.json", nodes, dict(os.environ), tmp_path / "logs")
-    assert (attempt.rc, attempt.failed) == (2, "n1/0")
-    assert _starts(tmp_path, "n1") == 1
-
-
-def test_a_region_that_fails_after_another_finished_the_run_is_not_restarted(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    spec = make_spec(2, 1, fault_tolerance=FT, max_restarts=2)
-    _fake_workers(monkeypatch, tmp_path, {"n0": [0], "n1": [137, 0]}, {"n0": 0, "n1": 0.6})
-    nodes = [n for r in spec.regions for n in r.nodes]
-    attempt = run_regions(spec, tmp_path / "spec.json", nodes, dict(os.environ), tmp_path / "logs")
-    assert attempt.rc == 0  # nobody is left to heal from: the run is done
-    assert _starts(tmp_path, "n1") == 1
+    """Nobody is left to heal from: its restart would train alone to no end."""
+    result, _ = _supervise(
+        tmp_path, monkeypatch, [1, 1], {"n0": ("0", "0", ""), "n1": ("137,0", "1.5,60", "")}
+    )
+    assert result.ok
+    assert result.attempts[-1].seconds < launch.FINISH_GRACE_S
 
 
 def test_top_shows_the_quorum_size_and_the_regions_it_leaves_out() -> None:

@@ -11,6 +11,7 @@ import pytest
 
 from training import launch, torchrun
 from training.errors import SpecError
+from training.spec import FaultToleranceSpec
 from training.testing import make_spec
 
 
@@ -30,7 +31,8 @@ def test_each_node_runs_torchrun_with_c10d_at_the_launchers_store_and_names_its_
     ):
         assert arg in argv, argv
     assert argv[-5:] == ["-m", "training.worker", "--torchrun=n1", "--spec", "s.json"]
-    assert launch.store_command(spec)[-2:] == ["127.0.0.1", "29555"]
+    [job] = launch.rdzv_jobs(spec)
+    assert launch.store_command(job)[-2:] == ["127.0.0.1", "29555"]
 
 
 def test_in_the_lab_torchrun_and_the_store_run_in_their_nodes_namespace() -> None:
@@ -40,7 +42,12 @@ def test_in_the_lab_torchrun_and_the_store_run_in_their_nodes_namespace() -> Non
     spec = dataclasses.replace(spec, regions=regions)
     argv = launch.torchrun_command(spec, Path("s.json"), lab[1])
     assert argv[:4] == ["ip", "netns", "exec", "ns-frankfurt"]
-    assert launch.store_command(spec)[:4] == ["ip", "netns", "exec", "ns-beijing"]
+    assert launch.store_command(launch.rdzv_jobs(spec)[0])[:4] == [
+        "ip",
+        "netns",
+        "exec",
+        "ns-beijing",
+    ]
 
 
 C10D = {
@@ -62,3 +69,25 @@ def test_under_c10d_the_worker_is_the_node_the_launcher_named_whatever_torchrun_
         torchrun.from_env(spec, {**C10D, "WORLD_SIZE": "6"}, "n1")
     with pytest.raises(SpecError, match="n7"):
         torchrun.from_env(spec, C10D, "n7")
+
+
+def test_under_fault_tolerance_each_region_is_its_own_torchrun_job_at_its_own_store() -> None:
+    """A region's torchruns meet only each other: torchrun restarts a failed region alone."""
+    ft = FaultToleranceSpec(lighthouse="127.0.0.1:29510", min_replicas=2, store_port=29700)
+    spec = make_spec(3, [2, 3, 1], fault_tolerance=ft)
+    jobs = launch.rdzv_jobs(spec)
+    assert [(j.name, j.port, j.rdzv_id) for j in jobs] == [
+        ("beijing", 29700, "test-run-beijing"),
+        ("frankfurt", 29701, "test-run-frankfurt"),
+        ("silicon-valley", 29702, "test-run-silicon-valley"),
+    ]
+    argv = launch.torchrun_command(spec, Path("s.json"), spec.regions[1].nodes[0])
+    for arg in ("--nnodes=1", "--nproc-per-node=3", "--rdzv-endpoint=127.0.0.1:29701"):
+        assert arg in argv, argv
+    assert "--rdzv-id=test-run-frankfurt" in argv
+    assert launch.store_command(jobs[2])[-2:] == ["127.0.0.1", "29702"]
+    # the worker's torchrun world is its region's
+    env = {**C10D, "WORLD_SIZE": "3", "LOCAL_RANK": "2"}
+    assert torchrun.from_env(spec, env, "n1").local_rank == 2
+    with pytest.raises(SpecError, match="WORLD_SIZE 6 is not region frankfurt's 3"):
+        torchrun.from_env(spec, {**env, "WORLD_SIZE": "6"}, "n1")
