@@ -107,6 +107,8 @@ class Run:
     """Inner lr: constant (the worker's), or one cosine schedule over the whole run."""
     lr_scale: float = 1.0
     """Inner lr as a multiple of Setup.lr."""
+    drift: str = "none"
+    """Drift correction: none | scaffold (training.diloco)."""
 
 
 def runs() -> list[Run]:
@@ -143,6 +145,15 @@ def runs() -> list[Run]:
         replace(avg, name="H=1 int4, averaging", h=1),
         replace(avg, name="H=10 int4, averaging", h=10),
         replace(avg, name="H=50 int4, averaging, inner lr / 2", lr_scale=0.5),
+    ]
+    # client drift on the non-IID shards: SCAFFOLD control variates from the pseudo-gradients
+    sc = replace(avg, drift="scaffold")
+    out += [
+        replace(sc, name="H=50 int4, averaging, scaffold"),
+        replace(base, name="H=50 int4, scaffold", drift="scaffold"),
+        replace(sc, name="H=50 int4, averaging, scaffold, warm-up 100", warmup=100),
+        replace(sc, name="H=10 int4, averaging, scaffold", h=10),
+        replace(sc, name="H=50 int8, averaging, scaffold", quant="int8"),
     ]
     return out
 
@@ -194,6 +205,7 @@ def _rank(rank: int, world: int, run: Run, setup: Setup) -> dict[str, Any]:
             fragments=run.fragments,
             tau=run.tau,
             mix=run.mix,
+            drift_correction=run.drift,
         )
         buckets = sync_buckets(list(model.parameters()), setup.bucket_mb)
         d = DiLoCo(buckets, ds, sync, twin(sync) if run.tau else None)

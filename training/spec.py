@@ -41,6 +41,7 @@ Device = Literal["cuda", "cpu"]
 Quantize = Literal["none", "fp16", "bf16", "int8", "int4"]
 Cipher = Literal["sm4-gcm", "aes-gcm", "none"]
 SyncMode = Literal["allreduce", "diloco"]
+DriftCorrection = Literal["none", "scaffold"]
 Balance = Literal["off", "throughput"]
 Exchange = Literal["direct", "topology"]
 
@@ -182,6 +183,14 @@ class CodecSpec:
         return self
 
 
+SCAFFOLD_STREAMING = (
+    "drift_correction scaffold needs whole-model merges (fragments 1, tau 0): its drift "
+    "estimates are per merge round, and streaming fragments end their rounds on different, "
+    "late steps; set fragments: 1 and tau: 0, or drift_correction: none"
+)
+"""One message for the launch spec and the stack check (infra.model.checks)."""
+
+
 @dataclass(frozen=True, config=_STRICT)
 class DilocoSpec:
     every_steps: Count | None = 100
@@ -200,12 +209,17 @@ class DilocoSpec:
     """Streaming DiLoCo: inner steps a fragment's merge lands late (its exchange overlaps them)."""
     mix: Annotated[float, Field(ge=0, le=1)] = 0.0
     """Share of the local progress made during those tau steps kept on the merged fragment."""
+    drift_correction: DriftCorrection = "none"
+    """scaffold: every inner step is shifted by (global - own) mean step of the last round,
+    both read off the merge's pseudo-gradients, no extra bytes (training.diloco)."""
 
     @model_validator(mode="after")
     def _streaming_bounds(self) -> DilocoSpec:
         """The streaming settings' bounds (infra.model.checks says the same for the stack)."""
         if not self.streaming:
             return self
+        if self.drift_correction != "none":
+            raise ValueError(SCAFFOLD_STREAMING)
         h = self.every_steps
         if h is None:
             raise ValueError("fragments/tau need step-based merges (every_steps), not minutes")

@@ -10,7 +10,7 @@ from infra.model.gpus import GPU_TYPES
 from infra.model.schema import StackModel
 from infra.plan.names import WORKER_HOST_OFFSET, ifname
 from training.errors import ConfigError
-from training.spec import adaptive_problems, exchange_conflict
+from training.spec import SCAFFOLD_STREAMING, adaptive_problems, exchange_conflict
 
 SINGLE_MACHINE_KINDS = ("local", "lab")
 
@@ -453,6 +453,8 @@ def _streaming(m: StackModel, source: str) -> None:
     d = m.training.diloco
     if d.fragments == 1 and d.tau == 0:
         return
+    if d.drift_correction != "none":
+        raise _err(source, "training.diloco.drift_correction", SCAFFOLD_STREAMING)
     h = d.every_steps
     if h is None:
         raise _err(

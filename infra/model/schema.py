@@ -306,6 +306,10 @@ class Diloco(Strict):
     mix: float = Field(default=0.0, ge=0, le=1)
     """Share of the local progress of those tau steps kept on top of the merged fragment
     (0: the merged values replace it, so every region holds the same fragment)."""
+    drift_correction: Literal["none", "scaffold"] = "none"
+    """scaffold: correct each region's inner steps toward every region's mean step of the
+    last round (SCAFFOLD from the merge's own pseudo-gradients, no extra bytes; needs
+    fragments 1 and tau 0)."""
 
     @property
     def every_steps(self) -> int | None:

@@ -93,6 +93,7 @@ def render_launch_spec(plan: Plan) -> LaunchSpec:
             fragments=t.diloco.fragments,
             tau=t.diloco.tau,
             mix=t.diloco.mix,
+            drift_correction=t.diloco.drift_correction,
         ),
         checkpoint=CheckpointSpec(
             dir=plan.path(t.checkpoint.dir),
