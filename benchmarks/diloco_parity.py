@@ -109,6 +109,8 @@ class Run:
     """Inner lr as a multiple of Setup.lr."""
     drift: str = "none"
     """Drift correction: none | scaffold (training.diloco)."""
+    h_start: int | None = None
+    """Growing H: the first interval, doubling up to h (None: h throughout)."""
 
 
 def runs() -> list[Run]:
@@ -154,6 +156,9 @@ def runs() -> list[Run]:
         replace(sc, name="H=50 int4, averaging, scaffold, warm-up 100", warmup=100),
         replace(sc, name="H=10 int4, averaging, scaffold", h=10),
         replace(sc, name="H=50 int8, averaging, scaffold", quant="int8"),
+        # a smaller H early on, when the replicas drift fastest: 10, 20, 40, then 50
+        replace(avg, name="H=10->50 int4, averaging", h_start=10),
+        replace(sc, name="H=10->50 int4, averaging, scaffold", h_start=10),
     ]
     return out
 
@@ -199,6 +204,7 @@ def _rank(rank: int, world: int, run: Run, setup: Setup) -> dict[str, Any]:
     if run.sync == "diloco":
         ds = DilocoSpec(
             every_steps=run.h,
+            every_steps_start=run.h_start,
             outer_lr=run.outer_lr,
             outer_momentum=run.outer_momentum,
             warmup_steps=run.warmup,

@@ -146,7 +146,18 @@ class DiLoCo:
             return False
         if self.spec.streaming:
             return s == steps or bool(self.sends(step)) or self._lands(step)
-        return s == steps or (h is not None and (s - w) % h == 0)
+        return s == steps or (h is not None and self._round_ends(s - w, h))
+
+    def _round_ends(self, k: int, h: int) -> bool:
+        """Whether a merge round ends k inner steps after the warm-up: every h steps, or
+        with growing H rounds of every_steps_start, twice that, ... up to h."""
+        t, r = 0, self.spec.every_steps_start or h
+        while r < h:  # the ramp: a few rounds (log2 of h / start)
+            t += r
+            if k <= t:
+                return k == t
+            r *= 2
+        return (k - t) % h == 0
 
     def sends(self, step: int) -> list[int]:
         """Streaming: the fragment sent after step `step` (none, or one: offsets differ)."""

@@ -191,10 +191,30 @@ SCAFFOLD_STREAMING = (
 """One message for the launch spec and the stack check (infra.model.checks)."""
 
 
+def growing_h_problem(every: int | None, start: int | None, streaming: bool) -> str | None:
+    """What is wrong with a growing-H schedule (None: nothing), in the stack's key names
+    (inner_steps_start is the launch spec's every_steps_start)."""
+    if start is None:
+        return None
+    if every is None:
+        return "inner_steps_start needs step-based merges; set inner_steps, not interval_minutes"
+    if start > every:
+        return f"inner_steps_start {start} must be <= inner_steps ({every}): H grows to it"
+    if streaming:
+        return (
+            "inner_steps_start cannot be combined with streaming (fragments/tau): fragments "
+            "are staggered over a fixed H; drop one of them"
+        )
+    return None
+
+
 @dataclass(frozen=True, config=_STRICT)
 class DilocoSpec:
     every_steps: Count | None = 100
     """Merge every H inner steps (None: time-based)."""
+    every_steps_start: Count | None = None
+    """Growing H: the first merge comes this many inner steps in, each next interval twice
+    the last, up to every_steps (None: every_steps from the start)."""
     interval_minutes: Positive | None = None
     """Merge every T minutes (None: step-based)."""
     outer_lr: Positive = 0.7
@@ -215,7 +235,11 @@ class DilocoSpec:
 
     @model_validator(mode="after")
     def _streaming_bounds(self) -> DilocoSpec:
-        """The streaming settings' bounds (infra.model.checks says the same for the stack)."""
+        """The streaming and schedule settings' bounds (infra.model.checks says the same for
+        the stack)."""
+        problem = growing_h_problem(self.every_steps, self.every_steps_start, self.streaming)
+        if problem:
+            raise ValueError(problem)
         if not self.streaming:
             return self
         if self.drift_correction != "none":

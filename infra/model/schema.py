@@ -291,6 +291,9 @@ class Diloco(Strict):
     """H: merge every H inner steps (set this or interval_minutes; neither means 100)."""
     interval_minutes: float | None = None
     """T: merge every T minutes instead (30 in the reference deployment)."""
+    inner_steps_start: int | None = Field(default=None, ge=1)
+    """Growing H: the first merge after this many inner steps, each next interval twice the
+    last, up to inner_steps (early rounds drift less; step-based merges only)."""
     outer_lr: float = Field(default=0.7, gt=0, le=10)
     """Outer Nesterov learning rate."""
     outer_momentum: float = Field(default=0.9, ge=0, lt=1)

@@ -332,6 +332,10 @@ RUNS = {
         "sync": "diloco",
         "diloco": {"inner_steps": 2, "outer_momentum": 0.0},
     },
+    "diloco-scaffold-growing-h": {  # the checkpoint at step 2 lands mid-round
+        "sync": "diloco",
+        "diloco": {"inner_steps": 3, "inner_steps_start": 1, "drift_correction": "scaffold"},
+    },
     "seq-len-past-the-presets-context": {"seq_len": 600, "batch_size": 1},
     "int4-with-an-odd-block-size": {"compression": {"quantize": "int4", "block_size": 17}},
     "tiny-buckets": {"bucket_mb": 0.001},
