@@ -276,6 +276,9 @@ class DiLoCo:
         """Average (global - local) across regions, one bucket at a time through the sync,
         step the outer optimizer on it, and set every local parameter to the new global."""
         i = 0
+        # scaffold: each bucket's (params lo, hi, delta, avg), applied once every bucket is
+        # in, so a round that fails midway and runs again (training.ft_loop) updates c once
+        pairs: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []
         for b, params in enumerate(self.buckets):
             gl = self.global_params[i : i + len(params)]
             delta = torch.cat(
@@ -286,8 +289,10 @@ class DiLoCo:
             avg = self.sync.all_reduce(delta, step=step, bucket=b)
             _set_grads(avg, gl)
             if self.scaffold:
-                self._update_drift(i, i + len(params), delta, avg)
+                pairs.append((i, i + len(params), delta, avg))
             i += len(params)
+        for lo, hi, delta, avg in pairs:
+            self._update_drift(lo, hi, delta, avg)
         self.outer.step()
         self.round_steps = 0
         with torch.no_grad():

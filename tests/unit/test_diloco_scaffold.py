@@ -79,6 +79,46 @@ def test_control_variates_are_the_mean_steps_and_the_correction_persists() -> No
     assert torch.allclose(d.drift[0], c)
 
 
+class _FailsOnce(_Peer):
+    """Fails the second bucket's exchange of the second merge (step 3) once, as a quorum
+    round cut off midway."""
+
+    failed = False
+
+    def all_reduce(self, x: torch.Tensor, step: int, bucket: int = 0) -> torch.Tensor:
+        if step == 3 and bucket == 1 and not self.failed:
+            self.failed = True
+            raise RuntimeError("peer lost")
+        return super().all_reduce(x, step, bucket)
+
+
+def test_a_merge_that_fails_midway_and_runs_again_updates_the_drift_once() -> None:
+    """training.ft_loop runs a failed round again: c and c_i come out as from one merge."""
+    spec = DilocoSpec(every_steps=2, outer_lr=1.0, outer_momentum=0.0, drift_correction=SCAFFOLD)
+    own, other = torch.tensor([1.0, 2.0]), torch.tensor([3.0, -1.0])
+
+    def two_rounds(sync: _Peer) -> DiLoCo:
+        d = DiLoCo(
+            [[torch.nn.Parameter(torch.zeros(2))], [torch.nn.Parameter(torch.zeros(2))]], spec, sync
+        )
+        for r in range(2):
+            for s in (2 * r, 2 * r + 1):
+                with torch.no_grad():
+                    for p in d.params:
+                        p.sub_(own)
+                d.step_done(s)
+            if r == 1 and isinstance(sync, _FailsOnce):
+                with pytest.raises(RuntimeError, match="peer lost"):
+                    d.merge(2 * r + 1)
+            d.merge(2 * r + 1)
+        return d
+
+    clean, retried = two_rounds(_Peer(2 * other)), two_rounds(_FailsOnce(2 * other))
+    for a, b in zip(clean.drift + clean.own_drift, retried.drift + retried.own_drift, strict=True):
+        assert torch.equal(a, b)
+    assert torch.equal(clean.params[1], retried.params[1])
+
+
 def test_drift_none_keeps_no_control_variates_and_the_old_checkpoint_keys() -> None:
     d = DiLoCo(
         [[torch.nn.Parameter(torch.zeros(2))]], DilocoSpec(every_steps=2), _Peer(torch.zeros(2))
