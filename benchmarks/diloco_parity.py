@@ -281,7 +281,9 @@ def table(results: dict[str, dict[str, Any]], setup: Setup) -> str:
         "bytes over a flat fp32 ring all-reduce every step. Outer Nesterov momentum 0.9 and "
         "lr 0.6 (the rule for 3 regions) unless the row says otherwise; averaging: outer "
         "SGD lr 1, momentum 0. Merges: streaming rows count fragment merges (a quarter of "
-        "the model each). One seed per row; wall seconds on a shared 2-core machine.",
+        "the model each). scaffold: drift_correction scaffold; H=10->50: rounds of 10, 20, "
+        "40, then 50 steps (every_steps_start). One seed per row (diloco_parity_seeds.md: "
+        "several); wall seconds on a shared 2-core machine, under varying load.",
         "",
         "| run | merges | bytes vs fp32 per step | fewer bytes | eval loss | eval gap | "
         "train loss | train gap | wall s |",
