@@ -17,6 +17,8 @@ training loss of the last 25 steps. Gaps are relative to allreduce int8.
 Run: nice -n 10 python benchmarks/diloco_parity.py [--steps 1000] [--only NAME ...]
 [--cache FILE]. Saves benchmarks/results/diloco_parity.md once every row is measured (with
 --cache, rows measured before are taken from FILE, so a row can be re-measured alone).
+With --seeds S ... --only NAME ...: those rows at each seed, saved with their spread to
+benchmarks/results/diloco_parity_seeds.md.
 """
 
 from __future__ import annotations
@@ -79,6 +81,8 @@ class Setup:
     """Sync bucket size: ~5 buckets, so the model can be cut into 4 fragments."""
     eval_windows: int = 64
     """Held-out windows each region evaluates the final model on."""
+    seed: int = 0
+    """Initial weights and data order (0: the main table's); the eval windows stay fixed."""
 
 
 @dataclass(frozen=True)
@@ -107,6 +111,10 @@ class Run:
     """Inner lr: constant (the worker's), or one cosine schedule over the whole run."""
     lr_scale: float = 1.0
     """Inner lr as a multiple of Setup.lr."""
+    drift: str = "none"
+    """Drift correction: none | scaffold (training.diloco)."""
+    h_start: int | None = None
+    """Growing H: the first interval, doubling up to h (None: h throughout)."""
 
 
 def runs() -> list[Run]:
@@ -144,6 +152,19 @@ def runs() -> list[Run]:
         replace(avg, name="H=10 int4, averaging", h=10),
         replace(avg, name="H=50 int4, averaging, inner lr / 2", lr_scale=0.5),
     ]
+    # client drift on the non-IID shards: SCAFFOLD control variates from the pseudo-gradients
+    sc = replace(avg, drift="scaffold")
+    out += [
+        replace(sc, name="H=50 int4, averaging, scaffold"),
+        replace(base, name="H=50 int4, scaffold", drift="scaffold"),
+        replace(sc, name="H=50 int4, averaging, scaffold, warm-up 100", warmup=100),
+        replace(sc, name="H=10 int4, averaging, scaffold", h=10),
+        replace(sc, name="H=25 int4, averaging, scaffold", h=25),
+        replace(sc, name="H=50 int8, averaging, scaffold", quant="int8"),
+        # a smaller H early on, when the replicas drift fastest: 10, 20, 40, then 50
+        replace(avg, name="H=10->50 int4, averaging", h_start=10),
+        replace(sc, name="H=10->50 int4, averaging, scaffold", h_start=10),
+    ]
     return out
 
 
@@ -177,10 +198,10 @@ def _rank(rank: int, world: int, run: Run, setup: Setup) -> dict[str, Any]:
     groups = make_groups(topo, torch.device("cpu"))
     text = load_region_text(spec.regions[rank], rank, setup.regions)
     cut = len(text) * 9 // 10  # the last 10%: held out for the eval
-    loader = ByteLoader.of(text[:cut], setup.batch, setup.seq_len, 1000 + rank)
+    loader = ByteLoader.of(text[:cut], setup.batch, setup.seq_len, 1000 + rank + 100 * setup.seed)
     codec = Codec(CodecSpec(quantize=run.quant, cipher="sm4-gcm"), KEY)
     sync = HierarchicalAllReduce(topo, groups, codec, "bench", error_feedback=True)
-    torch.manual_seed(1234)  # the same initial weights in every region and every run
+    torch.manual_seed(1234 + setup.seed)  # the same initial weights in every region and run
     model = DeepSeekLM(MODEL)
     opt = torch.optim.AdamW(model.parameters(), lr=setup.lr * run.lr_scale, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_factor(run.schedule, setup.steps))
@@ -188,12 +209,14 @@ def _rank(rank: int, world: int, run: Run, setup: Setup) -> dict[str, Any]:
     if run.sync == "diloco":
         ds = DilocoSpec(
             every_steps=run.h,
+            every_steps_start=run.h_start,
             outer_lr=run.outer_lr,
             outer_momentum=run.outer_momentum,
             warmup_steps=run.warmup,
             fragments=run.fragments,
             tau=run.tau,
             mix=run.mix,
+            drift_correction=run.drift,
         )
         buckets = sync_buckets(list(model.parameters()), setup.bucket_mb)
         d = DiLoCo(buckets, ds, sync, twin(sync) if run.tau else None)
@@ -258,7 +281,9 @@ def table(results: dict[str, dict[str, Any]], setup: Setup) -> str:
         "bytes over a flat fp32 ring all-reduce every step. Outer Nesterov momentum 0.9 and "
         "lr 0.6 (the rule for 3 regions) unless the row says otherwise; averaging: outer "
         "SGD lr 1, momentum 0. Merges: streaming rows count fragment merges (a quarter of "
-        "the model each). One seed per row; wall seconds on a shared 2-core machine.",
+        "the model each). scaffold: drift_correction scaffold; H=10->50: rounds of 10, 20, "
+        "40, then 50 steps (every_steps_start). One seed per row (diloco_parity_seeds.md: "
+        "several); wall seconds on a shared 2-core machine, under varying load.",
         "",
         "| run | merges | bytes vs fp32 per step | fewer bytes | eval loss | eval gap | "
         "train loss | train gap | wall s |",
@@ -315,6 +340,34 @@ BOUGHT = (
         AVG + " lr 1 (averaging)",
         "H=50 int4, averaging, streaming 4 fragments tau 5",
     ),
+    (
+        "averaging + scaffold drift correction",
+        AVG + " lr 1 (averaging)",
+        "H=50 int4, averaging, scaffold",
+    ),
+    ("Nesterov 0.6/0.9 + scaffold", "diloco H=50 int4", "H=50 int4, scaffold"),
+    (
+        "averaging, warm-up 100: + scaffold",
+        "H=50 int4, averaging, warm-up 100",
+        "H=50 int4, averaging, scaffold, warm-up 100",
+    ),
+    ("averaging, H=10: + scaffold", "H=10 int4, averaging", "H=10 int4, averaging, scaffold"),
+    ("averaging, H=25: + scaffold", "H=25 int4, averaging", "H=25 int4, averaging, scaffold"),
+    (
+        "averaging + scaffold: int4 -> int8",
+        "H=50 int4, averaging, scaffold",
+        "H=50 int8, averaging, scaffold",
+    ),
+    (
+        "averaging: H 50 -> growing 10, 20, 40, 50",
+        AVG + " lr 1 (averaging)",
+        "H=10->50 int4, averaging",
+    ),
+    (
+        "averaging, growing H: + scaffold",
+        "H=10->50 int4, averaging",
+        "H=10->50 int4, averaging, scaffold",
+    ),
 )
 """(technique, the row without it, the row with it): the eval-gap change it bought."""
 
@@ -351,7 +404,16 @@ def main() -> None:
         help="JSON of finished rows: rows found there are not run again (with --only: the "
         "others are taken from it, and the table is saved once every row is there)",
     )
+    ap.add_argument(
+        "--seeds",
+        type=int,
+        nargs="+",
+        help="measure the --only rows (and allreduce int8) at each of these seeds and save "
+        "their spread to diloco_parity_seeds.md instead of the main table",
+    )
     a = ap.parse_args()
+    if a.seeds:
+        return spread(a.only or [], a.seeds, a.steps)
     setup = Setup(steps=a.steps)
     cached = json.loads(a.cache.read_text()) if a.cache and a.cache.exists() else {}
     results: dict[str, dict[str, Any]] = {}
@@ -369,6 +431,79 @@ def main() -> None:
     if len(results) == len(runs()):
         RESULTS.mkdir(exist_ok=True)
         (RESULTS / "diloco_parity.md").write_text(out)
+
+
+SPREAD = (
+    (
+        "scaffold (H=50, averaging)",
+        "H=50 int4, outer SGD lr 1 (averaging)",
+        "H=50 int4, averaging, scaffold",
+    ),
+    ("scaffold (H=10, averaging)", "H=10 int4, averaging", "H=10 int4, averaging, scaffold"),
+    ("scaffold (H=25, averaging)", "H=25 int4, averaging", "H=25 int4, averaging, scaffold"),
+    (
+        "growing H 10->50 (averaging)",
+        "H=50 int4, outer SGD lr 1 (averaging)",
+        "H=10->50 int4, averaging",
+    ),
+    (
+        "growing H 10->50 + scaffold (averaging)",
+        "H=50 int4, outer SGD lr 1 (averaging)",
+        "H=10->50 int4, averaging, scaffold",
+    ),
+    (
+        "scaffold (H=10->50, averaging)",
+        "H=10->50 int4, averaging",
+        "H=10->50 int4, averaging, scaffold",
+    ),
+    (
+        "scaffold (H=50, averaging, warm-up 100)",
+        "H=50 int4, averaging, warm-up 100",
+        "H=50 int4, averaging, scaffold, warm-up 100",
+    ),
+)
+"""(technique, the row without it, the row with it) compared seed by seed."""
+
+
+def spread(only: list[str], seeds: list[int], steps: int) -> None:
+    """The chosen rows at several seeds: each eval gap against the same seed's allreduce
+    int8, their mean and range, and each technique's change seed by seed (one seed's gap
+    differences are within about +-2 points of noise; this says how much)."""
+    chosen = [r for r in runs() if r.name == "allreduce int8" or any(s in r.name for s in only)]
+    gaps: dict[str, dict[int, float]] = {}
+    for seed in seeds:
+        setup = Setup(steps=steps, seed=seed)
+        got = {}
+        for run in chosen:
+            got[run.name] = measure(run, setup)
+            _progress(f"{run.name} (seed {seed})", got[run.name])
+        ref = got["allreduce int8"]["eval"]
+        for name, r in got.items():
+            gaps.setdefault(name, {})[seed] = 100 * (r["eval"] - ref) / ref
+    cols = " | ".join(f"seed {s}" for s in seeds)
+    lines = [
+        f"# DiLoCo parity across seeds: {steps} inner steps, the setup of diloco_parity.md",
+        "",
+        "Eval gap to the same seed's allreduce int8 (seed: initial weights and data order; "
+        "the held-out windows are the same). Seed 0 is the main table's.",
+        "",
+        f"| run | {cols} | mean | range |",
+        "|---|" + "---|" * (len(seeds) + 2),
+    ]
+    for name, g in gaps.items():
+        v = [g[s] for s in seeds]
+        cells = " | ".join(f"{x:+.2f}%" for x in v)
+        lines.append(f"| {name} | {cells} | {sum(v) / len(v):+.2f}% | {max(v) - min(v):.2f} |")
+    lines += ["", f"| technique | {cols} | mean change |", "|---|" + "---|" * (len(seeds) + 1)]
+    for what, a, b in SPREAD:
+        if a in gaps and b in gaps:
+            d = [gaps[b][s] - gaps[a][s] for s in seeds]
+            cells = " | ".join(f"{x:+.2f}" for x in d)
+            lines.append(f"| {what} | {cells} | {sum(d) / len(d):+.2f} |")
+    out = "\n".join(lines) + "\n"
+    print(out)
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "diloco_parity_seeds.md").write_text(out)
 
 
 def _progress(name: str, r: dict[str, Any]) -> None:

@@ -19,6 +19,28 @@ the pseudo-gradient of the snapshot taken when it was sent (global - local at se
 the fragment then becomes the new global values plus `mix` times the local progress made
 since the send (0: replaced, as torchft's default fragment_update_alpha; 1: kept). The
 last step merges every fragment at once, blocking, so the regions end with one model.
+
+Drift correction (`drift_correction: scaffold`; SCAFFOLD, Karimireddy et al. 2020, option
+II, in update space): on non-IID shards each region's inner steps pull toward its own
+optimum (client drift). Each rank keeps c_i, its region's own mean inner step over the
+last round, and c, the mean of every region's; after every inner step the weights move by
+-(c - c_i), so a region follows its own gradient's detail plus the others' mean direction.
+Both come out of the merge with no extra bytes: for a round of K inner steps, with
+pseudo-gradients d_i = global - local_i and their cross-region average d,
+
+    c   <- d / K
+    c_i <- d_i / K - (c - c_i)   (the round's own correction taken back out, so c_i is the
+                                  inner optimizer's own mean step; without it the
+                                  correction would cancel itself every second round)
+
+and c stays the mean of the c_i, up to the codec's rounding, which error feedback carries
+into the next merge. Why update space, not `grad += c - c_i` before the inner step: with
+AdamW the inner step is not lr x gradient, and c in gradient units would need every
+region's mean gradient, a second model-sized exchange. A pseudo-gradient is in update
+units, so the shift is applied to the weights after `opt.step()` (decoupled, as AdamW
+decouples weight decay) and AdamW's moments never see it; with plain SGD at a constant lr
+the two are the same. With one region d == d_i bitwise (the sync returns the
+pseudo-gradient itself), so c == c_i and the shift is an exact no-op.
 """
 
 from __future__ import annotations
@@ -32,7 +54,7 @@ from typing import Any, Protocol
 import torch
 
 from training.errors import SpecError
-from training.spec import DilocoSpec
+from training.spec import SCAFFOLD_STREAMING, DilocoSpec
 from training.streaming import Background
 
 
@@ -100,6 +122,16 @@ class DiLoCo:
         )
         self.merges = 0
         self.last_merge = time.monotonic()
+        self.scaffold = spec.drift_correction == "scaffold"
+        if self.scaffold and spec.streaming:  # DilocoSpec refuses it; a hand-built spec too
+            raise SpecError(SCAFFOLD_STREAMING)
+        self.drift = [torch.zeros_like(g) for g in self.global_params] if self.scaffold else []
+        """c: every region's mean inner step over the last round (the same on every rank)."""
+        self.own_drift = [torch.zeros_like(g) for g in self.drift]
+        """c_i: this region's own mean inner step over the last round (its ranks agree)."""
+        self._shift = [torch.zeros_like(g) for g in self.drift]  # c - c_i, set at each merge
+        self.round_steps = 0
+        """Inner steps since the global copy was last set (a warm-up's end or a merge)."""
 
     # -- schedule ---------------------------------------------------------------------
     def warming(self, step: int) -> bool:
@@ -114,7 +146,18 @@ class DiLoCo:
             return False
         if self.spec.streaming:
             return s == steps or bool(self.sends(step)) or self._lands(step)
-        return s == steps or (h is not None and (s - w) % h == 0)
+        return s == steps or (h is not None and self._round_ends(s - w, h))
+
+    def _round_ends(self, k: int, h: int) -> bool:
+        """Whether a merge round ends k inner steps after the warm-up: every h steps, or
+        with growing H rounds of every_steps_start, twice that, ... up to h."""
+        t, r = 0, self.spec.every_steps_start or h
+        while r < h:  # the ramp: a few rounds (log2 of h / start)
+            t += r
+            if k <= t:
+                return k == t
+            r *= 2
+        return (k - t) % h == 0
 
     def sends(self, step: int) -> list[int]:
         """Streaming: the fragment sent after step `step` (none, or one: offsets differ)."""
@@ -135,14 +178,20 @@ class DiLoCo:
 
     def step_done(self, step: int) -> None:
         """After step `step`'s inner update: the last warm-up step starts DiLoCo from the
-        current weights (every rank holds the same ones after synced steps)."""
-        if step + 1 != self.spec.warmup_steps:
+        current weights (every rank holds the same ones after synced steps); an inner step
+        counts into the round and, with scaffold, takes its drift correction."""
+        if self.warming(step):
+            if step + 1 == self.spec.warmup_steps:
+                with torch.no_grad():
+                    for g, p in zip(self.global_params, self.params, strict=True):
+                        g.copy_(p)
+                self.sync.clear_residuals()  # gradient residuals do not carry into merges
+                self.last_merge = time.monotonic()
             return
-        with torch.no_grad():
-            for g, p in zip(self.global_params, self.params, strict=True):
-                g.copy_(p)
-        self.sync.clear_residuals()  # gradient residuals do not carry into pseudo-gradients
-        self.last_merge = time.monotonic()
+        self.round_steps += 1
+        if self.scaffold:
+            with torch.no_grad():
+                torch._foreach_sub_([p.detach() for p in self.params], self._shift)
 
     # -- merge ------------------------------------------------------------------------
     def advance(self, step: int, steps: int, new_digest: Callable[[], Digest]) -> list[Digest]:
@@ -227,6 +276,9 @@ class DiLoCo:
         """Average (global - local) across regions, one bucket at a time through the sync,
         step the outer optimizer on it, and set every local parameter to the new global."""
         i = 0
+        # scaffold: each bucket's (params lo, hi, delta, avg), applied once every bucket is
+        # in, so a round that fails midway and runs again (training.ft_loop) updates c once
+        pairs: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []
         for b, params in enumerate(self.buckets):
             gl = self.global_params[i : i + len(params)]
             delta = torch.cat(
@@ -236,28 +288,82 @@ class DiLoCo:
                 digest.update(delta)
             avg = self.sync.all_reduce(delta, step=step, bucket=b)
             _set_grads(avg, gl)
+            if self.scaffold:
+                pairs.append((i, i + len(params), delta, avg))
             i += len(params)
+        for lo, hi, delta, avg in pairs:
+            self._update_drift(lo, hi, delta, avg)
         self.outer.step()
+        self.round_steps = 0
         with torch.no_grad():
             for p, g in zip(self.params, self.global_params, strict=True):
                 p.copy_(g)
         self.merges += 1
         self.last_merge = time.monotonic()
 
+    # -- drift correction (scaffold) --------------------------------------------------
+    def _update_drift(self, lo: int, hi: int, delta: torch.Tensor, avg: torch.Tensor) -> None:
+        """c and c_i of one bucket (parameters lo..hi) from this round's pseudo-gradient and
+        its cross-region average (module docstring). K is the same on every rank: merges
+        are agreed, so every rank counted the same inner steps."""
+        k = max(self.round_steps, 1)  # 0 only for a region healed into the merge (ft_loop)
+        like = self.drift[lo:hi]
+        for j, d_i, d in zip(range(lo, hi), _split(delta, like), _split(avg, like), strict=True):
+            own, shift = self.own_drift[j], self._shift[j]
+            own.copy_(d_i / k - shift)  # the inner optimizer's own mean step (shift = c - c_i)
+            self.drift[j].copy_(d / k)
+            torch.sub(self.drift[j], own, out=shift)
+
+    def restart_drift(self) -> None:
+        """A region without a round of its own (healed from a donor): c_i <- c, so it takes
+        no correction until its next merge. The donor's c_i describes the donor's shard."""
+        for c, own, shift in zip(self.drift, self.own_drift, self._shift, strict=True):
+            own.copy_(c)
+            shift.zero_()
+
     # -- state ------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """The global weights and the outer optimizer (the same on every rank). The
-        tensors are the live ones: a checkpoint load fills them in place."""
-        return {
+        """The global weights, the outer optimizer and, with scaffold, c and the round's
+        inner steps so far (the same on every rank). The tensors are the live ones: a
+        checkpoint load fills them in place."""
+        out: dict[str, Any] = {
             "params": {str(i): p for i, p in enumerate(self.global_params)},
             "outer": self.outer.state_dict(),
         }
+        if self.scaffold:
+            out["drift"] = {str(i): c for i, c in enumerate(self.drift)}
+            out["round_steps"] = self.round_steps
+        return out
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.outer.load_state_dict(state["outer"])
         with torch.no_grad():
             for g, v in zip(self.global_params, state["params"].values(), strict=True):
                 g.copy_(v)
+            if self.scaffold:
+                for c, v in zip(self.drift, state["drift"].values(), strict=True):
+                    c.copy_(v)
+                self.round_steps = int(state["round_steps"])
+                self._reshift()
+
+    def region_state_dict(self) -> dict[str, Any]:
+        """What the region's ranks share and other regions do not: c_i (scaffold; empty
+        otherwise). A checkpoint keeps it under the region's key (training.state)."""
+        if not self.scaffold:
+            return {}
+        return {"own_drift": {str(i): c for i, c in enumerate(self.own_drift)}}
+
+    def load_region_state_dict(self, state: Mapping[str, Any]) -> None:
+        if not self.scaffold:
+            return
+        with torch.no_grad():
+            for c, v in zip(self.own_drift, state["own_drift"].values(), strict=True):
+                c.copy_(v)
+        self._reshift()
+
+    def _reshift(self) -> None:
+        for c, own, shift in zip(self.drift, self.own_drift, self._shift, strict=True):
+            torch.sub(c, own, out=shift)
 
 
 OUTER_LR_ANCHORS = ((4, 0.6), (8, 0.8))

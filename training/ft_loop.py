@@ -87,8 +87,9 @@ def setup(
 # -- heal state -------------------------------------------------------------------------
 def heal_state(job: Job) -> dict[str, Any]:
     """What a healer takes from this rank: weights, inner optimizer, DiLoCo's global
-    weights and outer optimizer, counters. Per-rank state (data position, RNG, residuals)
-    stays: it belongs to the donor's region."""
+    weights and outer optimizer (with scaffold: c and the round's steps), counters.
+    Per-rank and per-region state (data position, RNG, residuals, scaffold's c_i) stays:
+    it belongs to the donor's region."""
     d = job.diloco
     return {
         "model": job.model.state_dict(),
@@ -104,6 +105,7 @@ def load_heal(job: Job, state: dict[str, Any]) -> None:
     job.opt.load_state_dict(state["optim"])
     if job.diloco is not None:
         job.diloco.load_state_dict(state["global"])
+        job.diloco.restart_drift()  # no round of its own yet: no correction until it has one
         job.diloco.merges = int(state["counters"]["merges"])
     c = state["counters"]
     job.step, job.tokens = int(c["step"]), int(c["tokens"])
@@ -155,7 +157,8 @@ def merge(job: Job, q: Quorum) -> None:
     d = job.diloco
     assert d is not None
     q.begin(MERGE)
-    if q.healed_phase == MERGE:
+    healed = q.healed_phase == MERGE
+    if healed:
         with torch.no_grad():
             for p, g in zip(d.params, d.global_params, strict=True):
                 p.copy_(g)
@@ -165,6 +168,8 @@ def merge(job: Job, q: Quorum) -> None:
         d.merge(job.step)
 
     q.round(run, lambda why: failed(job, why))
+    if healed:  # its zero pseudo-gradient says nothing of its shard: c_i <- c
+        d.restart_drift()
     job.metrics.merges.inc()
 
 

@@ -41,6 +41,7 @@ Device = Literal["cuda", "cpu"]
 Quantize = Literal["none", "fp16", "bf16", "int8", "int4"]
 Cipher = Literal["sm4-gcm", "aes-gcm", "none"]
 SyncMode = Literal["allreduce", "diloco"]
+DriftCorrection = Literal["none", "scaffold"]
 Balance = Literal["off", "throughput"]
 Exchange = Literal["direct", "topology"]
 
@@ -182,10 +183,38 @@ class CodecSpec:
         return self
 
 
+SCAFFOLD_STREAMING = (
+    "drift_correction scaffold needs whole-model merges (fragments 1, tau 0): its drift "
+    "estimates are per merge round, and streaming fragments end their rounds on different, "
+    "late steps; set fragments: 1 and tau: 0, or drift_correction: none"
+)
+"""One message for the launch spec and the stack check (infra.model.checks)."""
+
+
+def growing_h_problem(every: int | None, start: int | None, streaming: bool) -> str | None:
+    """What is wrong with a growing-H schedule (None: nothing), in the stack's key names
+    (inner_steps_start is the launch spec's every_steps_start)."""
+    if start is None:
+        return None
+    if every is None:
+        return "inner_steps_start needs step-based merges; set inner_steps, not interval_minutes"
+    if start > every:
+        return f"inner_steps_start {start} must be <= inner_steps ({every}): H grows to it"
+    if streaming:
+        return (
+            "inner_steps_start cannot be combined with streaming (fragments/tau): fragments "
+            "are staggered over a fixed H; drop one of them"
+        )
+    return None
+
+
 @dataclass(frozen=True, config=_STRICT)
 class DilocoSpec:
     every_steps: Count | None = 100
     """Merge every H inner steps (None: time-based)."""
+    every_steps_start: Count | None = None
+    """Growing H: the first merge comes this many inner steps in, each next interval twice
+    the last, up to every_steps (None: every_steps from the start)."""
     interval_minutes: Positive | None = None
     """Merge every T minutes (None: step-based)."""
     outer_lr: Positive = 0.7
@@ -200,12 +229,21 @@ class DilocoSpec:
     """Streaming DiLoCo: inner steps a fragment's merge lands late (its exchange overlaps them)."""
     mix: Annotated[float, Field(ge=0, le=1)] = 0.0
     """Share of the local progress made during those tau steps kept on the merged fragment."""
+    drift_correction: DriftCorrection = "none"
+    """scaffold: every inner step is shifted by (global - own) mean step of the last round,
+    both read off the merge's pseudo-gradients, no extra bytes (training.diloco)."""
 
     @model_validator(mode="after")
     def _streaming_bounds(self) -> DilocoSpec:
-        """The streaming settings' bounds (infra.model.checks says the same for the stack)."""
+        """The streaming and schedule settings' bounds (infra.model.checks says the same for
+        the stack)."""
+        problem = growing_h_problem(self.every_steps, self.every_steps_start, self.streaming)
+        if problem:
+            raise ValueError(problem)
         if not self.streaming:
             return self
+        if self.drift_correction != "none":
+            raise ValueError(SCAFFOLD_STREAMING)
         h = self.every_steps
         if h is None:
             raise ValueError("fragments/tau need step-based merges (every_steps), not minutes")

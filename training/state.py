@@ -65,8 +65,12 @@ def state_dict(job: Job) -> dict[str, Any]:
             "optim": job.opt.state_dict(),
             f"rank{t.rank}": per_rank,
         }
+    region = {"model": job.model.state_dict(), "optim": job.opt.state_dict()}
+    own = job.diloco.region_state_dict()  # scaffold's c_i: the region's, not the world's
+    if own:
+        region["diloco"] = own
     return {
-        f"region{t.region_index}": {"model": job.model.state_dict(), "optim": job.opt.state_dict()},
+        f"region{t.region_index}": region,
         "global": job.diloco.state_dict(),
         f"rank{t.rank}": per_rank,
     }
@@ -94,6 +98,8 @@ def resume(job: Job) -> int | None:
         job.model.load_state_dict(reg["model"])
         job.opt.load_state_dict(reg["optim"])
         job.diloco.load_state_dict(state["global"])
+        if "diloco" in reg:
+            job.diloco.load_region_state_dict(reg["diloco"])
     job.loader.load_state_dict(mine["loader"])
     if job.privacy is not None:
         job.privacy.load_state_dict(mine["privacy"])

@@ -10,7 +10,12 @@ from infra.model.gpus import GPU_TYPES
 from infra.model.schema import StackModel
 from infra.plan.names import WORKER_HOST_OFFSET, ifname
 from training.errors import ConfigError
-from training.spec import adaptive_problems, exchange_conflict
+from training.spec import (
+    SCAFFOLD_STREAMING,
+    adaptive_problems,
+    exchange_conflict,
+    growing_h_problem,
+)
 
 SINGLE_MACHINE_KINDS = ("local", "lab")
 
@@ -406,6 +411,10 @@ def _training(m: StackModel, source: str) -> None:
             f"{d.warmup_steps} must be < training.steps ({m.training.steps}): DiLoCo would "
             "never start; lower it or use sync: allreduce",
         )
+    streaming = d.fragments > 1 or d.tau > 0
+    problem = growing_h_problem(d.every_steps, d.inner_steps_start, streaming)
+    if problem:
+        raise _err(source, "training.diloco.inner_steps_start", problem)
     _streaming(m, source)
     _secure_aggregation(m, source)
     _adaptive(m, source)
@@ -453,6 +462,8 @@ def _streaming(m: StackModel, source: str) -> None:
     d = m.training.diloco
     if d.fragments == 1 and d.tau == 0:
         return
+    if d.drift_correction != "none":
+        raise _err(source, "training.diloco.drift_correction", SCAFFOLD_STREAMING)
     h = d.every_steps
     if h is None:
         raise _err(

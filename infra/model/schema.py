@@ -291,6 +291,9 @@ class Diloco(Strict):
     """H: merge every H inner steps (set this or interval_minutes; neither means 100)."""
     interval_minutes: float | None = None
     """T: merge every T minutes instead (30 in the reference deployment)."""
+    inner_steps_start: int | None = Field(default=None, ge=1)
+    """Growing H: the first merge after this many inner steps, each next interval twice the
+    last, up to inner_steps (early rounds drift less; step-based merges only)."""
     outer_lr: float = Field(default=0.7, gt=0, le=10)
     """Outer Nesterov learning rate."""
     outer_momentum: float = Field(default=0.9, ge=0, lt=1)
@@ -306,6 +309,10 @@ class Diloco(Strict):
     mix: float = Field(default=0.0, ge=0, le=1)
     """Share of the local progress of those tau steps kept on top of the merged fragment
     (0: the merged values replace it, so every region holds the same fragment)."""
+    drift_correction: Literal["none", "scaffold"] = "none"
+    """scaffold: correct each region's inner steps toward every region's mean step of the
+    last round (SCAFFOLD from the merge's own pseudo-gradients, no extra bytes; needs
+    fragments 1 and tau 0)."""
 
     @property
     def every_steps(self) -> int | None:

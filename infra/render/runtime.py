@@ -86,6 +86,7 @@ def render_launch_spec(plan: Plan) -> LaunchSpec:
         ),
         diloco=DilocoSpec(
             every_steps=t.diloco.every_steps,
+            every_steps_start=t.diloco.inner_steps_start,
             interval_minutes=t.diloco.interval_minutes,
             outer_lr=t.diloco.outer_lr,
             outer_momentum=t.diloco.outer_momentum,
@@ -93,6 +94,7 @@ def render_launch_spec(plan: Plan) -> LaunchSpec:
             fragments=t.diloco.fragments,
             tau=t.diloco.tau,
             mix=t.diloco.mix,
+            drift_correction=t.diloco.drift_correction,
         ),
         checkpoint=CheckpointSpec(
             dir=plan.path(t.checkpoint.dir),

@@ -328,9 +328,14 @@ def test_event_log_reader_skips_partial_and_garbled_lines_and_survives_truncatio
 
 # -- 5. settings that validate must run, or be rejected by validate ---------------------
 RUNS = {
-    "diloco-outer-momentum-0": {
+    "diloco-scaffold-growing-h": {  # the checkpoint at step 2 lands mid-round
         "sync": "diloco",
-        "diloco": {"inner_steps": 2, "outer_momentum": 0.0},
+        "diloco": {
+            "inner_steps": 3,
+            "inner_steps_start": 1,
+            "drift_correction": "scaffold",
+            "outer_momentum": 0.0,  # and outer SGD without momentum (once a crash)
+        },
     },
     "seq-len-past-the-presets-context": {"seq_len": 600, "batch_size": 1},
     "int4-with-an-odd-block-size": {"compression": {"quantize": "int4", "block_size": 17}},

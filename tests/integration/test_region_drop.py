@@ -47,14 +47,17 @@ def _after_exclusion(log: list[dict[str, Any]]) -> int:
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("sync", ["diloco"])  # allreduce: through geotrain train, below
+# allreduce: through geotrain train, below
+@pytest.mark.parametrize("case", ["diloco", "diloco-scaffold"])
 def test_a_region_killed_mid_run_is_left_out_then_heals_and_ends_bitwise_equal(
-    run_factory: Any, sync: str
+    run_factory: Any, case: str
 ) -> None:
     steps = 16
+    sync = case.split("-")[0]
     kw: dict[str, Any] = {"sync": sync}
-    if sync == "diloco":
-        kw["diloco"] = DilocoSpec(every_steps=3, outer_lr=0.7)
+    if sync == "diloco":  # scaffold: the heal carries c and restarts the healer's c_i
+        drift = "scaffold" if case.endswith("scaffold") else "none"
+        kw["diloco"] = DilocoSpec(every_steps=3, outer_lr=0.7, drift_correction=drift)
     run = run_factory(regions=2, steps=steps, min_replicas=1, **kw)
     for r in (0, 1):
         run.start(r)

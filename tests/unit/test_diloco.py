@@ -261,3 +261,46 @@ def test_state_round_trip_continues_the_outer_momentum_bitwise() -> None:
         fresh.params[0].copy_(saved["params"]["0"])
     _walk(fresh, 2, start=3)
     assert not torch.equal(a.global_params[0], fresh.global_params[0])
+
+
+def test_growing_h_doubles_the_interval_from_the_start_value_up_to_h() -> None:
+    """start 2, H 10, warm-up 1: rounds of 2, 4, 8, then 10 (the doubling stops at H),
+    counted from the warm-up's end, plus the last step."""
+    spec = DilocoSpec(every_steps=10, every_steps_start=2, warmup_steps=1)
+    d = DiLoCo([[torch.nn.Parameter(torch.zeros(2))]], spec, _NoSync())
+    assert [s + 1 for s in range(40) if d.due(s, 40)] == [3, 7, 15, 25, 35, 40]
+    same = DiLoCo(
+        [[torch.nn.Parameter(torch.zeros(2))]],
+        DilocoSpec(every_steps=4, every_steps_start=4),
+        _NoSync(),
+    )
+    assert [s + 1 for s in range(12) if same.due(s, 12)] == [4, 8, 12]
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"every_steps": None, "interval_minutes": 5}, "needs step-based merges"),
+        ({"every_steps": 4}, r"must be <= inner_steps \(4\)"),
+        ({"every_steps": 10, "fragments": 2}, "cannot be combined with streaming"),
+    ],
+)
+def test_growing_h_settings_it_cannot_run_are_refused(
+    settings: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        DilocoSpec(every_steps_start=5, **settings)
+
+
+def test_stack_growing_h_renders_and_an_inverted_one_is_a_one_line_error(write_stack: Any) -> None:
+    from infra.model import load_stack
+    from infra.plan import build_plan
+    from infra.render.runtime import render_launch_spec
+
+    ok = _diloco_stack(write_stack, inner_steps_start=2)
+    assert render_launch_spec(build_plan(load_stack(str(ok)))).diloco.every_steps_start == 2
+    r = CliRunner().invoke(
+        cli, ["validate", "--stack", str(_diloco_stack(write_stack, inner_steps_start=8))]
+    )
+    assert r.exit_code == 2 and "training.diloco.inner_steps_start" in r.output, r.output
+    assert "must be <= inner_steps (5)" in r.output
