@@ -196,6 +196,14 @@ class Host:
                 f"Wants={wants}\n"
             ),
             "/etc/hostname": self.name + "\n",
+            # name service as a cloud image has it: its own name in /etc/hosts (cloud-init),
+            # and a resolver that answers at once. This machine's resolver is unreachable
+            # from the host's network: every lookup would wait 5 s for it, and torch's
+            # TCPStore looks up the peer of every connection it accepts, so a rendezvous of
+            # four hosts stalled 2.5 minutes (nothing listens on the host's own port 53:
+            # a lookup is refused at once)
+            "/etc/hosts": f"127.0.0.1 localhost\n127.0.1.1 {self.name}\n",
+            "/etc/resolv.conf": "nameserver 127.0.0.1\n",
             **self.files,
         }
         for path, text in files.items():

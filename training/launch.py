@@ -47,6 +47,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -54,7 +55,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from training.errors import GeotrainError
+from training.errors import GeotrainError, RendezvousTimeout
 from training.spec import LaunchSpec, NodeSpec, node_root, record_path
 
 POLL_S = 0.2
@@ -64,6 +65,8 @@ _LIBC = ctypes.CDLL(None, use_errno=True)  # loaded here: the child must not imp
 MONITOR_S = 0.2
 """How often each torchrun agent polls its workers (torchrun's default: 0.1 s... 5 s by
 version); a failure is seen within this."""
+CONNECT_S = 1.0
+"""One try of `reach_store`."""
 JOIN_S = 600
 """How long an agent waits for the rendezvous store and the other nodes (the workers' own
 rendezvous waited as long: training.worker.RENDEZVOUS_TIMEOUT_S)."""
@@ -204,6 +207,37 @@ def torchrun_command(spec: LaunchSpec, spec_path: Path, node: NodeSpec) -> list[
     return in_netns(node, argv)
 
 
+def reach_store(job: RdzvJob, node: NodeSpec, wait_s: float = JOIN_S) -> None:
+    """Before `node`'s torchrun starts: a TCP connection from the node's own address to
+    its job's rendezvous store succeeds. A host's workers start as soon as its tunnels are
+    up (systemd orders them after wg-quick and FRR), but the routes to the other regions
+    arrive with BGP a few seconds later; a connection opened before them leaves by the
+    default route with the wrong source address, and torchrun's store client then waits
+    out the kernel's SYN retries (127 s) before it tries again. Each try here gives up
+    after CONNECT_S instead. Only a store another launcher hosts is probed (this one's
+    own starts with it), and not from lab nodes (in a namespace, started once the lab is
+    up)."""
+    if node.netns:
+        return
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            with socket.create_connection(
+                (job.addr, job.port), timeout=CONNECT_S, source_address=(node.host, 0)
+            ):
+                return
+        except OSError as e:
+            if time.monotonic() > deadline:
+                raise RendezvousTimeout(
+                    f"node {node.name} cannot reach the rendezvous store {job.addr}:"
+                    f"{job.port} (on {job.host.name}) from its address {node.host} after "
+                    f"{wait_s:.0f} s ({e}); check the overlay: `wg show`, `vtysh -c 'show "
+                    "bgp summary'` on the gateways, and that geotrain-worker runs on "
+                    f"{job.host.name}"
+                ) from None
+            time.sleep(CONNECT_S / 2)
+
+
 def store_command(job: RdzvJob) -> list[str]:
     argv = [sys.executable, "-m", "training.rdzv_host", job.addr, str(job.port)]
     return in_netns(job.host, argv)
@@ -327,6 +361,8 @@ class Supervisor:
                     log = log_dir / f"rendezvous-store-{job.name}.log"
                     stores.append(spawn(store_command(job), env, log))
             for n in self.nodes:
+                if (job := job_of(self.spec, n)).host.name not in here:
+                    reach_store(job, n)
                 cmd = torchrun_command(self.spec, self.spec_path, n)
                 self.procs[n.name] = spawn(cmd, env, self._log(n.name))
             end = self._watch(on_poll, on_restart, started)

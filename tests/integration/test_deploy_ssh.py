@@ -57,6 +57,13 @@ class Life:
     one_host: Deployment | None = None
     destroy: Deployment | None = None
     left: dict[str, list[str]] = field(default_factory=dict)
+    seconds: dict[str, float] = field(default_factory=dict)
+    """Wall time of each phase (printed with -s: where the module's minutes go)."""
+
+    def lap(self, phase: str, t0: list[float]) -> None:
+        now = time.monotonic()
+        self.seconds[phase] = round(now - t0[0], 1)
+        t0[0] = now
 
 
 def _events(fl: F.Fleet, node: str) -> list[dict[str, Any]]:
@@ -104,10 +111,24 @@ def _bgp(fl: F.Fleet, wait_s: float = 60) -> dict[str, int]:
         for gw in GATEWAYS:
             raw = fl.hosts[gw].sh("vtysh -c 'show bgp summary json'", check=False) or "{}"
             peers = json.loads(raw).get("ipv4Unicast", {}).get("peers", {})
-            out[gw] = sum(p.get("state") == "Established" for p in peers.values())
+            # established, and the peer's region routes received (zebra installs them next)
+            out[gw] = sum(
+                p.get("state") == "Established" and p.get("pfxRcd", 0) > 0 for p in peers.values()
+            )
         if all(v == 2 for v in out.values()) or time.monotonic() > deadline:
             return out
         time.sleep(1)
+
+
+def _route(fl: F.Fleet, gw: str, to: str, wait_s: float = 30) -> str:
+    """`ip route get` once the route learned over BGP is in the kernel (zebra installs it
+    just after the session counts the prefix), or the last answer after `wait_s`."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        route = fl.hosts[gw].sh(f"ip route get {to}")
+        if " dev wg-" in route or time.monotonic() > deadline:
+            return route
+        time.sleep(0.2)
 
 
 def _changed(doc: dict[str, Any], **training: Any) -> dict[str, Any]:
@@ -123,15 +144,21 @@ def life(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Life]:
     doc = F.stack_doc("sshfleet", steps=6)
     stack = F.write_stack(root / "Pulumi.sshfleet.yaml", doc)
     life = Life()
+    t0 = [time.monotonic()]
     with F.fleet(root / "fleet", doc) as fl:
+        life.lap("fleet", t0)
         baseline = {n: fl.snapshot(n) for n in fl.hosts}
+        life.lap("snapshot", t0)
         replay = Replay(
             root / "state.json", fl.executor(), {"geotrain:sshPrivateKey": fl.private_key()}
         )
         life.up = replay.up(load_stack(str(stack)))
+        life.lap("up", t0)
         life.bgp = _bgp(fl)
-        life.routes = {gw: fl.hosts[gw].sh("ip route get 10.42.1.11") for gw in ("fra-0", "sv-0")}
+        life.lap("bgp", t0)
+        life.routes = {gw: _route(fl, gw, "10.42.1.11") for gw in ("fra-0", "sv-0")}
         life.first = _wait_trained(fl, {})
+        life.lap("first training", t0)
         life.firewall = {
             "outsider->bj-w1 node-exporter": fl.can_connect(fl.outsider, "10.42.1.11", 9100),
             "outsider->bj-w1 ssh": fl.can_connect(fl.outsider, "198.18.1.11", 22),
@@ -151,6 +178,7 @@ def life(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Life]:
             life.verify += [f"{n}: exit {r.returncode}"] if r.returncode else []
             life.verify += [f"{n}: {ln}" for ln in r.stderr.splitlines() if "geotrain" in ln]
         life.again = replay.up(load_stack(str(stack)))
+        life.lap("second up", t0)
 
         # the codec and a tag change: every host's spec changes, no host is replaced
         invocations = {n: _worker(fl, n).get("InvocationID", "") for n in fl.hosts}
@@ -158,6 +186,7 @@ def life(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Life]:
         changed = _changed(doc, compression={"quantize": "int4", "cipher": "sm4-gcm"})
         changed["config"]["geotrain:tags"]["owner"] = "fleet-test-2"
         life.change = replay.up(load_stack(str(F.write_stack(stack, changed))))
+        life.lap("change up", t0)
         life.after_change = {
             "quantize": {
                 n: json.loads(fl.hosts[n].sh("cat /etc/geotrain/launch-spec.json"))["codec"][
@@ -171,13 +200,16 @@ def life(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Life]:
             "bgp": _bgp(fl),
         }
         life.second = _wait_trained(fl, invocations)
+        life.lap("second training", t0)
 
         # a change that concerns the monitoring host only
         one = copy.deepcopy(changed)
         one["config"]["geotrain:monitoring"]["scrape_interval_s"] = 30
         life.one_host = replay.up(load_stack(str(F.write_stack(stack, one))))
+        life.lap("one-host up", t0)
 
         life.destroy = replay.destroy()
+        life.lap("destroy", t0)
         life.left = {n: F.diff(baseline[n], fl.snapshot(n)) for n in fl.hosts}
         for n, h in fl.hosts.items():
             extra = h.sh(
@@ -188,6 +220,17 @@ def life(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Life]:
                 check=False,
             ).split("\n")
             life.left[n] += [f"running: {x}" for x in extra if x.strip()]
+        life.lap("leftovers", t0)
+        print(f"deployment life, seconds per phase: {life.seconds}")
+        for name, run in (("first", life.first), ("second", life.second)):
+            for n, ev in run.items():
+                t = ev[0]["t"] if ev else 0
+                print(
+                    name,
+                    n,
+                    [(e["event"], round(e["t"] - t, 1)) for e in ev if e["event"] != "step"][:12],
+                    [round(e["t"] - t, 1) for e in ev if e["event"] == "step"],
+                )
         yield life
 
 

@@ -91,3 +91,20 @@ def test_under_fault_tolerance_each_region_is_its_own_torchrun_job_at_its_own_st
     assert torchrun.from_env(spec, env, "n1").local_rank == 2
     with pytest.raises(SpecError, match="WORLD_SIZE 6 is not region frankfurt's 3"):
         torchrun.from_env(spec, {**env, "WORLD_SIZE": "6"}, "n1")
+
+
+def test_a_node_waits_for_a_store_it_can_reach_from_its_own_address_then_names_it() -> None:
+    """Before its torchrun starts (training.launch.reach_store): a store another launcher
+    hosts, reached from the node's own address; unreachable, one clear line."""
+    import socket
+
+    from training.errors import RendezvousTimeout
+
+    spec = make_spec(2, 1)
+    node = spec.regions[1].nodes[0]
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        port = server.getsockname()[1]
+        job = dataclasses.replace(launch.rdzv_jobs(spec)[0], port=port)
+        launch.reach_store(job, node)  # returns: the store accepts
+    with pytest.raises(RendezvousTimeout, match=rf"node n1 cannot reach .*127.0.0.1:{port} "):
+        launch.reach_store(job, node, wait_s=0.5)
