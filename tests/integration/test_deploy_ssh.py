@@ -222,15 +222,6 @@ def life(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Life]:
             life.left[n] += [f"running: {x}" for x in extra if x.strip()]
         life.lap("leftovers", t0)
         print(f"deployment life, seconds per phase: {life.seconds}")
-        for name, run in (("first", life.first), ("second", life.second)):
-            for n, ev in run.items():
-                t = ev[0]["t"] if ev else 0
-                print(
-                    name,
-                    n,
-                    [(e["event"], round(e["t"] - t, 1)) for e in ev if e["event"] != "step"][:12],
-                    [round(e["t"] - t, 1) for e in ev if e["event"] == "step"],
-                )
         yield life
 
 
