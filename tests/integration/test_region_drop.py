@@ -188,6 +188,12 @@ def test_geotrain_train_a_region_killed_is_restarted_by_its_torchrun_alone_and_h
         )
         workers = [_of(events(run), "start", r)[-1]["pid"] for r in (KILLED, *SURVIVORS)]
         assert _wildcard_listeners(workers) == []
+        # beijing's torchrun agent (the worker's parent) is held while the survivors show
+        # steps without beijing: restarted at once, it could rejoin the very next quorum
+        agent = int(Path(f"/proc/{workers[0]}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        assert "torch.distributed.run" in Path(f"/proc/{agent}/cmdline").read_text()
+        os.kill(agent, signal.SIGSTOP)
+        stopped = [agent]
         os.kill(workers[0], signal.SIGKILL)
         t_kill = time.time()
 
@@ -198,9 +204,11 @@ def test_geotrain_train_a_region_killed_is_restarted_by_its_torchrun_alone_and_h
 
         wait("two steps without beijing", lambda: without_killed() >= 2)
         # hold the survivors while torchrun restarts beijing (the run would end first)
-        stopped = [_of(events(run), "start", r)[-1]["pid"] for r in SURVIVORS]
-        for pid in stopped:
+        held = [_of(events(run), "start", r)[-1]["pid"] for r in SURVIVORS]
+        stopped += held
+        for pid in held:
             os.kill(pid, signal.SIGSTOP)
+        os.kill(agent, signal.SIGCONT)
         wait("beijing restarted", lambda: len(_of(events(run), "start", KILLED)) == 2)
         for pid in stopped:
             os.kill(pid, signal.SIGCONT)
