@@ -89,3 +89,36 @@ def events(run_dir: Path) -> list[dict[str, Any]]:
 def committed(root: Path, node: str) -> set[int]:
     """Steps `node` has committed under checkpoint root `root`."""
     return {int(p.parent.parent.name[5:]) for p in root.glob(f"step-*/{node}/COMMITTED")}
+
+
+def of(log: list[dict[str, Any]], event: str, region: str) -> list[dict[str, Any]]:
+    """`region`'s events of kind `event`."""
+    return [e for e in log if e["event"] == event and e["region"] == region]
+
+
+def region_steps(log: list[dict[str, Any]], region: str) -> list[int]:
+    return [e["step"] for e in of(log, "step", region)]
+
+
+def trained_on_and_healed(
+    log: list[dict[str, Any]], back: str, others: tuple[str, ...], steps: int
+) -> dict[str, Any]:
+    """fault_tolerance's promise after `back` dropped out: the others trained on (never
+    restarted, no step lost or repeated), `back` was restarted once by its own torchrun
+    and healed from a live peer at a step, and every region ended at `steps` on the same
+    weights. Returns `back`'s heal event."""
+    for r in others:
+        assert len(of(log, "start", r)) == 1
+        s = region_steps(log, r)  # a region that joined late healed into its first step
+        assert s == list(range(s[0], steps + 1))
+    starts = of(log, "start", back)
+    assert [e["torchrun_restart"] for e in starts] == [0, 1]
+    assert all("torchrun_rank" in e and "torchrun_group_rank" in e for e in starts)
+    after = [e for e in log if e["region"] == back and e["t"] >= starts[1]["t"]]
+    healed = [e for e in after if e["event"] == "healed"]
+    assert healed and healed[0]["phase"] == "step"
+    done = {e["region"]: e for e in log if e["event"] == "done"}
+    assert set(done) == {back, *others}
+    assert len({e["digest"] for e in done.values()}) == 1
+    assert {e["step"] for e in done.values()} == {steps}
+    return healed[0]

@@ -18,7 +18,6 @@ import subprocess
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import yaml
@@ -26,7 +25,7 @@ import yaml
 from infra import lab
 from infra.model import load_stack
 from infra.plan import Plan, build_plan
-from tests.integration.helpers import STACKS, events, start
+from tests.integration.helpers import STACKS, events, of, region_steps, start, trained_on_and_healed
 
 MISSING = [
     c for c in ("ip", "wg", "wireguard-go", "vtysh", "nft", "nsenter") if not shutil.which(c)
@@ -95,14 +94,6 @@ def _set_links(plan: Plan, region: str, state: str) -> None:
             )
 
 
-def _steps(log: list[dict[str, Any]], region: str) -> list[int]:
-    return [e["step"] for e in log if e["event"] == "step" and e["region"] == region]
-
-
-def _of(log: list[dict[str, Any]], event: str, region: str) -> list[dict[str, Any]]:
-    return [e for e in log if e["event"] == event and e["region"] == region]
-
-
 def _wait(what: str, run: Path, proc: subprocess.Popen[str], ok: Callable[[], bool]) -> None:
     deadline = time.monotonic() + 90
     while not ok():
@@ -120,7 +111,7 @@ def test_a_region_cut_off_is_left_out_restarts_alone_and_heals_bitwise_equal(
     proc = start("train", "--stack", str(path), cwd=tmp_path)
     stopped: list[int] = []
     try:
-        _wait("beijing at step 2", run, proc, lambda: len(_steps(events(run), CUT)) >= 2)
+        _wait("beijing at step 2", run, proc, lambda: len(region_steps(events(run), CUT)) >= 2)
         _set_links(plan, CUT, "down")
         t_cut = time.time()
 
@@ -128,21 +119,21 @@ def test_a_region_cut_off_is_left_out_restarts_alone_and_heals_bitwise_equal(
             """Steps frankfurt committed in a quorum without beijing formed after the cut
             (beijing may also have been left out at the start, until it healed)."""
             log = [e for e in events(run) if e["t"] > t_cut]
-            out = [e for e in _of(log, "quorum", OTHERS[0]) if e["excluded"] == [CUT]]
-            return len([e for e in _steps(log, OTHERS[0]) if out and e > out[0]["step"]])
+            out = [e for e in of(log, "quorum", OTHERS[0]) if e["excluded"] == [CUT]]
+            return len([e for e in region_steps(log, OTHERS[0]) if out and e > out[0]["step"]])
 
         _wait("two steps without beijing", run, proc, lambda: without_cut() >= 2)
         # hold the others while beijing gives up and restarts (the run would end first);
         # their heartbeats stop meanwhile, so nobody forms a quorum without them: a
         # scenario step, not a synchronisation
-        stopped = [_of(events(run), "start", r)[-1]["pid"] for r in OTHERS]
+        stopped = [of(events(run), "start", r)[-1]["pid"] for r in OTHERS]
         for pid in stopped:
             os.kill(pid, signal.SIGSTOP)
         bj_log = run / "logs" / f"{plan.region(CUT).gateway.name}-0.log"
         _wait("beijing's QuorumLost", run, proc, lambda: "no quorum of 2" in bj_log.read_text())
         _set_links(plan, CUT, "up")
         t_up = time.time()
-        _wait("beijing restarted", run, proc, lambda: len(_of(events(run), "start", CUT)) == 2)
+        _wait("beijing restarted", run, proc, lambda: len(of(events(run), "start", CUT)) == 2)
         for pid in stopped:
             os.kill(pid, signal.SIGCONT)
         stopped = []
@@ -155,23 +146,10 @@ def test_a_region_cut_off_is_left_out_restarts_alone_and_heals_bitwise_equal(
             proc.wait()
     assert proc.returncode == 0, out[-3000:]
     log = events(run)
-    for r in OTHERS:  # trained on: never restarted, no step lost or repeated
-        assert len(_of(log, "start", r)) == 1
-        s = _steps(log, r)  # a region that joined late healed into its first step
-        assert s == list(range(s[0], STEPS + 1))
-    after_cut = [e for e in _of(log, "step", OTHERS[0]) if e["t"] > t_cut]
+    healed = trained_on_and_healed(log, CUT, OTHERS, STEPS)
+    after_cut = [e for e in of(log, "step", OTHERS[0]) if e["t"] > t_cut]
     print(f"stall after the cut {after_cut[0]['t'] - t_cut:.1f} s")
-    left_out = [e for e in _of(log, "quorum", OTHERS[0]) if e["t"] > t_cut]
+    left_out = [e for e in of(log, "quorum", OTHERS[0]) if e["t"] > t_cut]
     assert left_out and left_out[0]["members"] == list(OTHERS)
-    # beijing: restarted alone by its torchrun, then healed from a live peer
-    starts = _of(log, "start", CUT)
-    assert [e["torchrun_restart"] for e in starts] == [0, 1]
-    back = [e for e in log if e["region"] == CUT and e["t"] >= starts[1]["t"]]
-    healed = [e for e in back if e["event"] == "healed"]
-    assert healed and healed[0]["phase"] == "step"
-    print(f"healed {healed[0]['t'] - t_up:.1f} s after the links came up")
-    assert _of(log, "quorum", CUT)[-1]["members"] == [CUT, *OTHERS]
-    done = {e["region"]: e for e in log if e["event"] == "done"}
-    assert set(done) == {CUT, *OTHERS}
-    assert len({e["digest"] for e in done.values()}) == 1
-    assert {e["step"] for e in done.values()} == {STEPS}
+    print(f"healed {healed['t'] - t_up:.1f} s after the links came up")
+    assert of(log, "quorum", CUT)[-1]["members"] == [CUT, *OTHERS]

@@ -131,14 +131,6 @@ KILLED, SURVIVORS = "beijing", ("frankfurt", "silicon-valley")
 LOCAL_STEPS = 10
 
 
-def _of(log: list[dict[str, Any]], event: str, region: str) -> list[dict[str, Any]]:
-    return [e for e in log if e["event"] == event and e["region"] == region]
-
-
-def _region_steps(log: list[dict[str, Any]], region: str) -> list[int]:
-    return [e["step"] for e in _of(log, "step", region)]
-
-
 @pytest.mark.timeout(240)
 def test_geotrain_train_a_region_killed_is_restarted_by_its_torchrun_alone_and_heals(
     tmp_path: Path,
@@ -150,7 +142,14 @@ def test_geotrain_train_a_region_killed_is_restarted_by_its_torchrun_alone_and_h
 
     import yaml
 
-    from tests.integration.helpers import events, small_stack, start
+    from tests.integration.helpers import (
+        events,
+        of,
+        region_steps,
+        small_stack,
+        start,
+        trained_on_and_healed,
+    )
 
     path = small_stack(
         tmp_path,
@@ -181,12 +180,12 @@ def test_geotrain_train_a_region_killed_is_restarted_by_its_torchrun_alone_and_h
             time.sleep(0.1)
 
     try:
-        wait("beijing at step 2", lambda: len(_region_steps(events(run), KILLED)) >= 2)
+        wait("beijing at step 2", lambda: len(region_steps(events(run), KILLED)) >= 2)
         wait(
             "every region started",
             lambda: len([e for e in events(run) if e["event"] == "start"]) == 3,
         )
-        workers = [_of(events(run), "start", r)[-1]["pid"] for r in (KILLED, *SURVIVORS)]
+        workers = [of(events(run), "start", r)[-1]["pid"] for r in (KILLED, *SURVIVORS)]
         assert _wildcard_listeners(workers) == []
         # beijing's torchrun agent (the worker's parent) is held while the survivors show
         # steps without beijing: restarted at once, it could rejoin the very next quorum
@@ -199,17 +198,17 @@ def test_geotrain_train_a_region_killed_is_restarted_by_its_torchrun_alone_and_h
 
         def without_killed() -> int:
             log = [e for e in events(run) if e["t"] > t_kill]
-            out = [e for e in _of(log, "quorum", SURVIVORS[0]) if e["excluded"] == [KILLED]]
-            return len([s for s in _region_steps(log, SURVIVORS[0]) if out and s > out[0]["step"]])
+            out = [e for e in of(log, "quorum", SURVIVORS[0]) if e["excluded"] == [KILLED]]
+            return len([s for s in region_steps(log, SURVIVORS[0]) if out and s > out[0]["step"]])
 
         wait("two steps without beijing", lambda: without_killed() >= 2)
         # hold the survivors while torchrun restarts beijing (the run would end first)
-        held = [_of(events(run), "start", r)[-1]["pid"] for r in SURVIVORS]
+        held = [of(events(run), "start", r)[-1]["pid"] for r in SURVIVORS]
         stopped += held
         for pid in held:
             os.kill(pid, signal.SIGSTOP)
         os.kill(agent, signal.SIGCONT)
-        wait("beijing restarted", lambda: len(_of(events(run), "start", KILLED)) == 2)
+        wait("beijing restarted", lambda: len(of(events(run), "start", KILLED)) == 2)
         for pid in stopped:
             os.kill(pid, signal.SIGCONT)
         stopped = []
@@ -222,19 +221,5 @@ def test_geotrain_train_a_region_killed_is_restarted_by_its_torchrun_alone_and_h
             proc.wait()
     assert proc.returncode == 0, out[-3000:]
     log = events(run)
-    for r in SURVIVORS:  # never restarted, no step lost or repeated
-        assert len(_of(log, "start", r)) == 1
-        s = _region_steps(log, r)
-        assert s == list(range(s[0], LOCAL_STEPS + 1))
-    # beijing: restarted by its own torchrun (its restart count), then healed
-    starts = _of(log, "start", KILLED)
-    assert [e["torchrun_restart"] for e in starts] == [0, 1]
-    assert all("torchrun_rank" in e and "torchrun_group_rank" in e for e in starts)
-    back = [e for e in log if e["region"] == KILLED and e["t"] >= starts[1]["t"]]
-    healed = [e for e in back if e["event"] == "healed"]
-    assert healed and healed[0]["phase"] == "step"
-    assert "restart" in out  # the launcher reported the failure torchrun restarted
-    done = {e["region"]: e for e in log if e["event"] == "done"}
-    assert set(done) == {KILLED, *SURVIVORS}
-    assert len({e["digest"] for e in done.values()}) == 1
-    assert {e["step"] for e in done.values()} == {LOCAL_STEPS}
+    trained_on_and_healed(log, KILLED, SURVIVORS, LOCAL_STEPS)
+    assert "restarting region beijing alone" in out  # the launcher reported it
