@@ -251,6 +251,7 @@ def run(
         q.begin(STEP)  # join: a region behind the others heals from one of them here
         while job.step < spec.steps:
             train_step(job, q)
+        lp.settle(job)
         lp.staged(job)
         job.ckpt.wait()
         if job.topo.rank == 0 and run_dir is not None:

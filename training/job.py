@@ -29,7 +29,7 @@ from training.ledger import Ledger
 from training.metrics import RuntimeMetrics
 from training.model import DeepSeekLM, preset
 from training.privacy import PoissonLoader, RegionPrivacy
-from training.session import Control, agree, rendezvous_store, wait_for_all
+from training.session import Control, Pending, agree, rendezvous_store, wait_for_all
 from training.spec import LaunchSpec, metrics_endpoint
 from training.topo_exchange import TopologyExchange
 from training.topology import Groups, Topology, make_groups
@@ -63,6 +63,8 @@ class Job:
     reported: dict[str, int] = field(default_factory=dict)
     """Byte counters already added to the Prometheus counters."""
     control: Control | None = None
+    pending: Pending | None = None
+    """The control gather in flight (training.loop.due)."""
     """Authenticated exchange of the time-based flags over every rank (`due`)."""
     ledger: Ledger | None = None
     """This region's signed training ledger (region leaders with a run dir only)."""

@@ -29,7 +29,10 @@ from training.state import resume, state_dict
 
 CONTROL_EVERY = 10
 """Time-based merges/saves are agreed on every this many steps (two flags per rank, MAC'd:
-training.session.Control)."""
+training.session.Control), one round late: the flags gathered at one control step are
+applied at the next, so the gather (two WAN round trips, about a second in the lab, on
+every 10th step) runs under the steps in between instead of stalling one. A time-based
+trigger fires at most CONTROL_EVERY steps after it is due."""
 
 
 def params_digest(model: torch.nn.Module) -> str:
@@ -51,10 +54,19 @@ def due(job: Job) -> tuple[bool, bool]:
             now - job.last_save >= 60 * spec.checkpoint.interval_minutes,
         ]
         assert job.control is not None  # set by setup
-        views = job.control.gather(mine)  # every rank's flags, each verified
+        views = job.pending.result() if job.pending is not None else []  # last round's
+        job.pending = job.control.start_gather(mine)  # every rank's flags, each verified
         merge_due = merge_due or any(v[0] for v in views)
         ckpt_due = ckpt_due or any(v[1] for v in views)
     return merge_due, ckpt_due
+
+
+def settle(job: Job) -> None:
+    """The control gather still in flight at the end (its flags are no longer needed, but
+    every rank completes it before the group goes)."""
+    if job.pending is not None:
+        job.pending.result()
+        job.pending = None
 
 
 def staged(job: Job) -> None:
@@ -223,6 +235,7 @@ def run(
         while job.step < stop.step:
             train_step(job)
         merge(job, False, True)  # a run stopped early: no exchange left in flight
+        settle(job)
     except PayloadRejected as e:
         rejected(job, e)
         raise

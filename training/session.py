@@ -121,7 +121,26 @@ class Control:
         me = dist.get_rank()
         body = json.dumps(value, separators=(",", ":")).encode()
         msg = self._mac(me, seq, body) + body
-        blobs = all_gather_bytes(msg, self._group)
+        return self._verified(seq, all_gather_bytes(msg, self._group))
+
+    def start_gather(self, value: Any, size: int = 64) -> Pending:
+        """`gather` without waiting for it: one all-gather of fixed-size messages (`size`
+        bytes of JSON, padded) that runs while the caller goes on; `Pending.result()` waits
+        for it and verifies every sender. Every rank must start it at the same point of
+        its collectives, as any collective."""
+        body = json.dumps(value, separators=(",", ":")).encode()
+        if len(body) > size:
+            raise ValueError(f"control value of {len(body)} bytes exceeds {size}: {value!r}")
+        seq, self._seq = self._seq, self._seq + 1
+        body = body.ljust(size)  # JSON ignores the padding; the MAC covers it
+        signed = bytearray(self._mac(dist.get_rank(), seq, body) + body)
+        msg = torch.frombuffer(signed, dtype=torch.uint8)
+        world = dist.get_world_size(self._group)
+        bufs = [torch.empty_like(msg) for _ in range(world)]
+        work = dist.all_gather(bufs, msg, group=self._group, async_op=True)
+        return Pending(self, seq, bufs, work)
+
+    def _verified(self, seq: int, blobs: list[bytes]) -> list[Any]:
         out = []
         for i, blob in enumerate(blobs):
             rank = i if self._group is None else dist.get_global_rank(self._group, i)
@@ -133,6 +152,21 @@ class Control:
                 )
             out.append(json.loads(body))
         return out
+
+
+@dataclass
+class Pending:
+    """A control all-gather in flight (Control.start_gather)."""
+
+    control: Control
+    seq: int
+    bufs: list[torch.Tensor]
+    work: Any
+
+    def result(self) -> list[Any]:
+        """Every rank's value, in group rank order, each verified (waits if needed)."""
+        self.work.wait()
+        return self.control._verified(self.seq, [b.numpy().tobytes() for b in self.bufs])
 
 
 def all_gather_bytes(data: bytes, group: Any = None) -> list[bytes]:

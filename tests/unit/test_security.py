@@ -615,6 +615,33 @@ def test_a_control_message_without_the_runs_key_is_refused() -> None:
     assert "from rank 0 failed authentication" in got[1], got
 
 
+def _control_in_flight(rank: int, world: int) -> list[Any]:
+    """training.loop.due's gather: started at one control step, read at the next, with
+    other collectives of the same group in between."""
+    ctl = Control(KEY, S1, "steps")
+    first = ctl.start_gather([rank == 1, False])
+    dist.all_reduce(torch.ones(4))  # the steps in between
+    second = ctl.start_gather([False, rank == 0])
+    out = [first.result(), second.result()]
+    hostile = Control(KEY, S1, "steps")
+    if rank == 1:
+        hostile._key = bytes(32)
+    try:
+        hostile.start_gather([True, True]).result()
+    except TransientReject as e:
+        out.append(str(e))
+    with pytest.raises(ValueError, match="exceeds 64"):
+        ctl.start_gather(["x" * 64])
+    return out
+
+
+def test_a_control_gather_in_flight_returns_every_ranks_flags_verified() -> None:
+    got = run_world(_control_in_flight, 2)
+    for r, out in enumerate(got):
+        assert out[:2] == [[[False, False], [True, False]], [[False, True], [False, False]]]
+        assert f"from rank {1 - r} failed authentication" in out[2], out
+
+
 def _resume_without_pickle(rank: int, world: int, root: str) -> list[Any]:
     def no_pickle(*a: Any, **k: Any) -> Any:
         raise AssertionError("a pickle crossed between nodes")
