@@ -91,8 +91,12 @@ def run_mode(doc: dict[str, Any], settings: dict[str, Any], steps: int) -> dict[
         lines = (cwd / ".geotrain/lab/events.jsonl").read_text().splitlines()
     events = [json.loads(x) for x in lines if x.endswith("}")]
     steps_ev = [e for e in events if e["event"] == "step"]
+    from training.loop import CONTROL_EVERY  # steps whose triggers are agreed across ranks
+
     util, wire = {}, {}
-    split: dict[str, list[float]] = {"compute": [], "sync": [], "other": [], "between": []}
+    split: dict[str, list[float]] = {
+        k: [] for k in ("compute", "sync", "other", "between", "other_median", "other_control")
+    }
     for region in sorted({e["region"] for e in steps_ev}):
         ev = [e for e in steps_ev if e["region"] == region]
         wall = ev[-1]["t"] - (ev[0]["t"] - ev[0]["step_s"])
@@ -105,6 +109,12 @@ def run_mode(doc: dict[str, Any], settings: dict[str, Any], steps: int) -> dict[
         split["sync"].append(sync / len(ev))
         split["other"].append((wall - compute - sync) / len(ev))
         split["between"].append((wall - sum(e["step_s"] for e in ev)) / len(ev))
+        # inside train_step: a typical step's other time, and that of the steps that agree
+        # time-based triggers with every rank (a cross-region gather, training.loop.due)
+        inside = {e["step"]: e["step_s"] - e["compute_s"] - e["sync_s"] for e in ev}
+        split["other_median"].append(statistics.median(inside.values()))
+        control = [v for k, v in inside.items() if k % CONTROL_EVERY == 0]
+        split["other_control"].append(statistics.mean(control) if control else float("nan"))
     wall_s = max(e["t"] for e in steps_ev) - min(e["t"] - e["step_s"] for e in steps_ev)
     out: dict[str, Any] = {
         "utilisation": statistics.median(util.values()),
@@ -134,6 +144,8 @@ def trimmed(doc: dict[str, Any], ranks_per_region: int) -> dict[str, Any]:
 
 def table(results: dict[str, dict[str, Any]]) -> list[str]:
     """The markdown rows of one ranks-per-region run."""
+    from training.loop import CONTROL_EVERY
+
     lines = [
         "| mode | utilisation | per region | compute per step (s) | sync per step (s) | "
         "other per step (s) | wall per step (s) | cross-region MB per step |",
@@ -146,7 +158,9 @@ def table(results: dict[str, dict[str, Any]]) -> list[str]:
         per = ", ".join(f"{k} {v:.0%}" for k, v in r["per_region"].items())
         lines.append(
             f"| {name} | {r['utilisation']:.0%} | {per} | {r['compute_s']:.3f} | "
-            f"{r['sync_s']:.3f} | {r['other_s']:.3f} (between steps {r['between_s']:.3f}) | "
+            f"{r['sync_s']:.3f} | {r['other_s']:.3f} (median {r['other_median_s']:.3f}, "
+            f"every {CONTROL_EVERY}th {r['other_control_s']:.3f}, "
+            f"between steps {r['between_s']:.3f}) | "
             f"{r['wall_s'] / r['steps']:.2f} | {r['cross_mb'] / r['steps']:.2f} |"
         )
     return lines
@@ -236,6 +250,8 @@ def main() -> None:
                 if lowered
                 else ""
             )
+            + ". Round trips over the overlay between the regions' ranks: "
+            + ", ".join(f"{k} {v * 1000:.0f} ms" for k, v in rtts.items())
             + ".",
             "",
             *table(results),
@@ -248,7 +264,7 @@ def main() -> None:
     section = (
         "\n".join(
             [
-                intro(plan.tunnels[0].bandwidth_mbps, rtts),
+                intro(plan.tunnels[0].bandwidth_mbps),
                 *(subs[k] + "\n" for k in sorted(subs)[::-1]),
             ]
         )
@@ -260,17 +276,16 @@ def main() -> None:
     RESULTS.write_text((head + "\n\n" if head else "") + section)
 
 
-def intro(mbps: int, rtts: dict[str, float]) -> str:
+def intro(mbps: int) -> str:
     return (
         f"{SECTION} at {mbps} Mbit/s (issue #16)\n\n"
         "`geotrain train --stack lab`, the lab stack's model and batch, 3 regions; "
         "utilisation is a rate and does not need equal tokens. Utilisation: time in forward, "
         "backward and optimizer over wall time, median over the regions' leaders; each "
-        "step's wall time is split into compute, cross-region sync and other (the rest; "
-        "its part outside `train_step` in brackets), medians over the regions "
-        "(benchmarks/lab_utilisation.py). Round trips over the overlay: "
-        + ", ".join(f"{k} {v * 1000:.0f} ms" for k, v in rtts.items())
-        + ".\n"
+        "step's wall time is split into compute, cross-region sync and other (the rest: "
+        "mean per step; in brackets a typical step's, the mean of the steps that agree "
+        "time-based triggers across ranks, and the part outside `train_step`), medians over "
+        "the regions (benchmarks/lab_utilisation.py).\n"
     )
 
 
