@@ -57,13 +57,22 @@ MODES: dict[str, dict[str, Any]] = {
 
 
 NOTES = (
-    "Six workers, userspace wireguard-go, FRR and the latency relays share this "
-    "machine's 2 cores. Per-step all-reduce is bound by the links' round trips (several "
-    "per bucket and stage over 120-280 ms paths). In the DiLoCo modes the rest of a "
-    "step is spent inside the region (the gradient all-reduce between its two ranks, "
-    "data, the step report), all CPU-bound here: hosts with a core per rank and "
-    "kernel WireGuard are needed to show the 90% the issue targets. The comparison "
-    "between modes is the result.\n"
+    "Userspace wireguard-go, FRR, the latency relays and the workers (six with two ranks "
+    "per region, three with one) share this machine's 2 cores. Per-step all-reduce is bound "
+    "by the links' round trips (several per bucket and stage over 120-280 ms paths). With "
+    "two ranks per region, the DiLoCo modes' other time includes the gradient all-reduce "
+    "inside each region, and six workers slow compute itself. With one rank per region a "
+    "typical step spends a few ms outside compute and cross-region sync; most of the other "
+    "time falls on every 10th step (training.loop.CONTROL_EVERY), where all ranks agree the "
+    "time-based merge and checkpoint triggers (training.loop.due: two gloo all-gathers "
+    "across the regions, about a second over these round trips; checkpoint.interval_minutes "
+    "defaults to 30, so every run has one). That round is synchronous, so streaming's "
+    "overlap cannot hide it, and against a compute of tens of ms per step it alone caps "
+    "utilisation near 30%. Streaming's extra other time falls on steps that are neither "
+    "typical nor trigger steps (the step event does not say which work; the fragments' "
+    "launch and landing are the candidates). The 90% the issue targets is not shown here: "
+    "it needs the trigger agreement off the critical path and compute per step large "
+    "against what is left (a larger model or batch, a core per rank, kernel WireGuard).\n"
 )
 
 
