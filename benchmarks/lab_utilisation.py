@@ -194,29 +194,6 @@ def subsections(section: str) -> dict[int, str]:
     return found
 
 
-def round_trips(plan: Any) -> dict[str, float]:
-    """Median round trip between two regions' ranks over each link's direct path: as
-    lab_network.round_trips (worker to worker), from the gateway where it is the only node."""
-    from lab_network import _probe
-
-    def rank_node(region: str) -> Any:
-        nodes = plan.region(region).nodes
-        return next((n for n in nodes if not n.is_gateway), nodes[0])
-
-    out = {}
-    for t in plan.tunnels:
-        src, dst = rank_node(t.a), rank_node(t.b)
-        echo = _probe(str(dst.netns), "echo", dst.private_ip, "7101", "8")
-        assert echo.stdout is not None
-        echo.stdout.readline()  # bound
-        got = _probe(str(src.netns), "rtt", dst.private_ip, "7101", "9").communicate()[0]
-        echo.kill()
-        echo.wait()
-        rtts = sorted(json.loads(got.splitlines()[-1])["rtts"])
-        out[f"{t.a}-{t.b}"] = rtts[len(rtts) // 2] if rtts else float("nan")
-    return out
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="DiLoCo modes' steps")
@@ -227,6 +204,8 @@ def main() -> None:
     a = ap.parse_args()
     sys.path.insert(0, str(ROOT))
     sys.path.insert(0, str(ROOT / "benchmarks"))
+
+    from lab_network import round_trips
 
     from infra import lab
     from infra.model import load_stack
