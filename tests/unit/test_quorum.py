@@ -254,9 +254,9 @@ def test_a_region_out_of_restarts_leaves_the_others_training_to_the_end(
         tmp_path,
         monkeypatch,
         [1, 1],
-        {"n0": ("0", "0", "n1-0:3"), "n1": ("137,137,137", "0,0,0", "")},
+        {"n0": ("0", "2", "n1-0:3"), "n1": ("137,137,137", "0,0,0", "")},
     )
-    assert result.ok, result  # beijing ended the run
+    assert result.ok, result  # beijing ended the run (2 s after frankfurt's last failure)
     assert _starts(run, "n0-0") == 1 and _starts(run, "n1-0") == 3  # max_restarts 2
     assert [a.failed for a in result.attempts[:-1]] == ["n1/0"] * 3
 
@@ -269,8 +269,10 @@ def test_bad_input_in_one_region_stops_every_region_at_once(
     )
     [only] = result.attempts
     assert (only.rc, only.failed) == (2, "n1/0")
-    assert only.seconds < 30  # not restarted, and the other region did not run on
-    assert _starts(run, "n1-0") == 1
+    assert only.seconds < 30  # not restarted to its end, nor the other region run on
+    # torchrun may have started it again before the launcher read the event: then that
+    # start was stopped too (a second start of the stand-in would exit 1, not 0)
+    assert _starts(run, "n1-0") <= 2
 
 
 def test_a_region_failing_after_another_finished_the_run_is_stopped_not_awaited(
