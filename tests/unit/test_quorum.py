@@ -280,7 +280,7 @@ def test_a_region_failing_after_another_finished_the_run_is_stopped_not_awaited(
 ) -> None:
     """Nobody is left to heal from: its restart would train alone to no end."""
     result, _ = _supervise(
-        tmp_path, monkeypatch, [1, 1], {"n0": ("0", "0", ""), "n1": ("137,0", "1.5,60", "")}
+        tmp_path, monkeypatch, [1, 1], {"n0": ("0", "0", ""), "n1": ("137,0", "5,60", "")}
     )
     assert result.ok
     assert result.attempts[-1].seconds < launch.FINISH_GRACE_S
