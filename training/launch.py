@@ -172,8 +172,9 @@ def rdzv_jobs(spec: LaunchSpec) -> list[RdzvJob]:
     ]
 
 
-def job_of(spec: LaunchSpec, node: NodeSpec) -> RdzvJob:
-    return next(j for j in rdzv_jobs(spec) if node.name in {n.name for n in j.nodes})
+def job_of(jobs: list[RdzvJob], node: str) -> RdzvJob:
+    """The job of the node named `node`."""
+    return next(j for j in jobs if node in {n.name for n in j.nodes})
 
 
 def worker_entry(spec_path: Path, node: NodeSpec) -> list[str]:
@@ -186,7 +187,7 @@ def torchrun_command(spec: LaunchSpec, spec_path: Path, node: NodeSpec) -> list[
     """One node's torchrun: c10d rendezvous (restarts of its whole job) at the job's store,
     which a launcher hosts (`is_host=false`); ranks and the workers' store address come
     from the node's own address."""
-    job = job_of(spec, node)
+    job = job_of(rdzv_jobs(spec), node.name)
     argv = [
         sys.executable,
         "-m",
@@ -293,12 +294,8 @@ def launch(
     if bad is not None:
         result.attempts.append(bad)
         return result
-    supervisor = Supervisor(spec, spec_path, nodes, run_dir, result)
-    if spec.fault_tolerance is None:
-        supervisor.run(on_poll, on_restart)
-        return result
-    with _lighthouse(spec, spec_path, nodes):
-        supervisor.run(on_poll, on_restart)
+    with _lighthouse(spec, spec_path, nodes) if spec.fault_tolerance else contextlib.nullcontext():
+        Supervisor(spec, spec_path, nodes, run_dir, result).run(on_poll, on_restart)
     return result
 
 
@@ -345,6 +342,10 @@ class Supervisor:
     """Failed workers each node's agent reported (its restart count, as torchrun keeps it)."""
     finished_at: float | None = None
     """fault_tolerance: when the first region here finished the run (monotonic)."""
+    jobs: list[RdzvJob] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.jobs = rdzv_jobs(self.spec)
 
     def run(
         self, on_poll: Callable[[], None] | None, on_restart: Callable[[Attempt], None] | None
@@ -356,12 +357,12 @@ class Supervisor:
         here = {n.name for n in self.nodes}
         stores = []
         try:
-            for job in rdzv_jobs(self.spec):
+            for job in self.jobs:
                 if job.host.name in here:
                     log = log_dir / f"rendezvous-store-{job.name}.log"
                     stores.append(spawn(store_command(job), env, log))
             for n in self.nodes:
-                if (job := job_of(self.spec, n)).host.name not in here:
+                if (job := job_of(self.jobs, n.name)).host.name not in here:
                     reach_store(job, n)
                 cmd = torchrun_command(self.spec, self.spec_path, n)
                 self.procs[n.name] = spawn(cmd, env, self._log(n.name))
@@ -422,8 +423,7 @@ class Supervisor:
             time.sleep(POLL_S)
 
     def _stop_job_of(self, node: str) -> None:
-        job = job_of(self.spec, self.spec.node(node)[1])
-        _stop([self.procs[n.name] for n in job.nodes if n.name in self.procs])
+        _stop([self.procs[n.name] for n in job_of(self.jobs, node).nodes if n.name in self.procs])
 
     def _region_finished(self, ended: dict[str, int]) -> bool:
         """fault_tolerance: every torchrun here of some region exited 0 (from then on the
@@ -432,7 +432,7 @@ class Supervisor:
             return True
         if self.spec.fault_tolerance is None:
             return False
-        for job in rdzv_jobs(self.spec):
+        for job in self.jobs:
             mine = [n.name for n in job.nodes if n.name in self.procs]
             if mine and all(ended.get(n) == 0 for n in mine):
                 self.finished_at = time.monotonic()
