@@ -61,7 +61,10 @@ from training.streaming import Background
 class Reducer(Protocol):
     """The cross-region average (training.hier.HierarchicalAllReduce)."""
 
-    def all_reduce(self, x: torch.Tensor, step: int, bucket: int = 0) -> torch.Tensor: ...
+    def all_reduce_many(
+        self, xs: Sequence[torch.Tensor], step: int, buckets: Sequence[int]
+    ) -> list[torch.Tensor]:
+        """Each flat x averaged across regions (its bucket id), in one sync."""
 
     def clear_residuals(self) -> None:
         """Forget the error-feedback residuals: a gradient's must not carry into merges."""
@@ -122,6 +125,10 @@ class DiLoCo:
         )
         self.merges = 0
         self.last_merge = time.monotonic()
+        self.waited_s = 0.0
+        """Seconds the loop waited at landings for exchanges that outlasted tau steps: a
+        stall of the cross-region sync (the step reports it as sync time), unlike the
+        exchange's own seconds, which overlap compute."""
         self.scaffold = spec.drift_correction == "scaffold"
         if self.scaffold and spec.streaming:  # DilocoSpec refuses it; a hand-built spec too
             raise SpecError(SCAFFOLD_STREAMING)
@@ -250,7 +257,9 @@ class DiLoCo:
     def _land(self, m: _InFlight) -> Digest:
         """The outer step on fragment m's averaged pseudo-gradient; its local values become
         the new global ones plus `mix` times the local progress since the send."""
+        t0 = time.perf_counter()
         averaged = m.averaged.result()  # waits only if the exchange outlasted tau steps
+        self.waited_s += time.perf_counter() - t0
         bs = list(self.fragments[m.fragment])
         lo, hi = self._first[bs[0]], self._first[bs[-1] + 1]
         gl, ps = self.global_params[lo:hi], self.params[lo:hi]
@@ -275,24 +284,17 @@ class DiLoCo:
     def merge(self, step: int, digest: Digest | None = None) -> None:
         """Average (global - local) across regions, one bucket at a time through the sync,
         step the outer optimizer on it, and set every local parameter to the new global."""
-        i = 0
-        # scaffold: each bucket's (params lo, hi, delta, avg), applied once every bucket is
-        # in, so a round that fails midway and runs again (training.ft_loop) updates c once
-        pairs: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []
-        for b, params in enumerate(self.buckets):
-            gl = self.global_params[i : i + len(params)]
-            delta = torch.cat(
-                [(g - p.detach()).reshape(-1) for g, p in zip(gl, params, strict=True)]
-            )
-            if digest is not None:
-                digest.update(delta)
-            avg = self.sync.all_reduce(delta, step=step, bucket=b)
-            _set_grads(avg, gl)
-            if self.scaffold:
-                pairs.append((i, i + len(params), delta, avg))
-            i += len(params)
-        for lo, hi, delta, avg in pairs:
-            self._update_drift(lo, hi, delta, avg)
+        bs = range(len(self.buckets))
+        deltas = [self._delta(b) for b in bs]
+        if digest is not None:
+            for d in deltas:
+                digest.update(d)
+        averaged = self.sync.all_reduce_many(deltas, step, list(bs))  # one exchange per stage
+        for b, delta, avg in zip(bs, deltas, averaged, strict=True):
+            lo, hi = self._first[b], self._first[b + 1]
+            _set_grads(avg, self.global_params[lo:hi])
+            if self.scaffold:  # a round failing in the sync above has changed nothing yet
+                self._update_drift(lo, hi, delta, avg)
         self.outer.step()
         self.round_steps = 0
         with torch.no_grad():
@@ -421,7 +423,7 @@ def _exchange(
 ) -> list[torch.Tensor]:
     """Average each bucket's pseudo-gradient across regions (on the loop's or the stream's
     thread); bucket ids address the payloads, as in the blocking merge."""
-    return [sync.all_reduce(d, step=step, bucket=b) for d, b in zip(deltas, buckets, strict=True)]
+    return sync.all_reduce_many(deltas, step, buckets)
 
 
 def _split(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:

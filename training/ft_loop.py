@@ -143,7 +143,7 @@ def all_reduce_grads(job: Job, q: Quorum) -> None:
     flats = [gs.flat_grads(p) for p in buckets]
 
     def exchange(sync: HierarchicalAllReduce) -> list[torch.Tensor]:
-        return [sync.all_reduce(f, step=job.step, bucket=b) for b, f in enumerate(flats)]
+        return sync.all_reduce_many(flats, job.step, list(range(len(flats))))
 
     synced = q.round(exchange, lambda why: failed(job, why))
     for params, avg in zip(buckets, synced, strict=True):
@@ -175,7 +175,7 @@ def merge(job: Job, q: Quorum) -> None:
 
 def train_step(job: Job, q: Quorum) -> None:
     t0 = time.perf_counter()
-    before = job.sync.stats.sync_seconds + _open(q)
+    before = lp.sync_clock(job) + _open(q)
     d = job.diloco
     crossing = d is None or d.warming(job.step)
     if crossing:
@@ -214,7 +214,7 @@ def finish(
         job.ckpt.save(job.step, st.state_dict(job))
         job.last_save = time.monotonic()
     q.flush()
-    sync_s = job.sync.stats.sync_seconds - before
+    sync_s = lp.sync_clock(job) - before
     lp.report(job, loss, time.perf_counter() - t0, sync_s, merge_due, compute)
 
 

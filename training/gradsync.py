@@ -51,10 +51,13 @@ def sync_grads(job: Job) -> None:
 def hierarchical_step(
     model: torch.nn.Module, sync: HierarchicalAllReduce, step: int, bucket_mb: float
 ) -> None:
-    """Replace every gradient by its global average through `sync`, bucket by bucket."""
-    for b, params in enumerate(buckets(list(model.parameters()), bucket_mb)):
-        synced = sync.all_reduce(flat_grads(params), step=step, bucket=b)
-        scatter(synced, grads_of(params))
+    """Replace every gradient by its global average through `sync` (every bucket in one
+    sync: its exchanges cross the WAN once per stage, not once per bucket)."""
+    groups = buckets(list(model.parameters()), bucket_mb)
+    flats = [flat_grads(params) for params in groups]
+    synced = sync.all_reduce_many(flats, step, list(range(len(groups))))
+    for params, avg in zip(groups, synced, strict=True):
+        scatter(avg, grads_of(params))
 
 
 def region_average_grads(job: Job) -> None:

@@ -34,6 +34,7 @@ per link from those estimates and the codec's measured speeds (training.adaptive
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,6 +43,7 @@ import torch.distributed as dist
 
 from training.adaptive import AdaptiveCodec, Choice
 from training.codec import Address, Codec
+from training.errors import TransientReject
 from training.linkprobe import LinkMonitor
 from training.secagg import SecureSum, all_to_all_bytes
 from training.session import Session
@@ -117,31 +119,67 @@ class HierarchicalAllReduce:
 
     def all_reduce(self, x: torch.Tensor, step: int, bucket: int = 0) -> torch.Tensor:
         """Average flat `x` (N,) over all ranks; returns a new fp32 tensor on x's device."""
+        return self.all_reduce_many([x], step, [bucket])[0]
+
+    def all_reduce_many(
+        self, xs: Sequence[torch.Tensor], step: int, buckets: Sequence[int]
+    ) -> list[torch.Tensor]:
+        """`all_reduce` of every flat x (its bucket id: residuals and payload addresses)
+        in one sync: the cross-region stages of all of them share one exchange each
+        (`coalesced`), so B buckets wait out the WAN's round trips once, not B times.
+        Over 120-280 ms links every exchange costs about two round trips whatever its
+        size, so this is most of a merge's or a step's sync time there. The results are
+        bitwise those of B `all_reduce` calls."""
+        if len(xs) != len(buckets) or len(set(buckets)) != len(buckets):
+            raise ValueError(f"all_reduce_many: {len(xs)} tensors for buckets {list(buckets)}")
+        if not self.coalesced:  # each bucket's exchange on its own (every rank alike)
+            pairs = zip(xs, buckets, strict=True)
+            return [self._all_reduce_many([x], step, [b])[0] for x, b in pairs]
+        return self._all_reduce_many(xs, step, buckets)
+
+    @property
+    def coalesced(self) -> bool:
+        """Whether buckets share exchanges. Not with secure aggregation (its masked stage
+        agrees a scale per bucket), a topology plan (its pieces and relays are per bucket)
+        or the adaptive codec (it budgets each bucket's share of the step). Decided from
+        the spec, so every rank of a region orders its in-region collectives alike."""
+        spec = self.codec.spec
+        return self.planner is None and not spec.secure_aggregation and spec.adaptive is None
+
+    def _all_reduce_many(
+        self, xs: Sequence[torch.Tensor], step: int, buckets: Sequence[int]
+    ) -> list[torch.Tensor]:
         t0 = time.perf_counter()
         topo, g = self.topo, self.groups
-        n = x.numel()
+        n = [x.numel() for x in xs]
         if self.adaptive is not None:
-            self.adaptive.window.begin(step, n)
+            self.adaptive.window.begin(step, sum(n))
         L, C = topo.local_size, topo.cross_size
-        flat = x.detach().float().reshape(-1)
-        if self.scale != 1.0:
-            flat = flat * self.scale
-        padded = torch.nn.functional.pad(flat, (0, (-n) % C))
-        S = padded.numel() // C
-        shard = self._intra_reduce_scatter(padded.to(g.device))  # (S,); (0,) off cross
-        self.stats.intra_bytes += 4 * S * (L - 1)
+        shards = []
+        for x, k in zip(xs, n, strict=True):
+            flat = x.detach().float().reshape(-1)
+            if self.scale != 1.0:
+                flat = flat * self.scale
+            padded = torch.nn.functional.pad(flat, (0, (-k) % C))
+            shards.append(self._intra_reduce_scatter(padded.to(g.device)))  # (S,); (0,) off cross
+            self.stats.intra_bytes += 4 * (padded.numel() // C) * (L - 1)
         if topo.in_cross:
-            total = self._exchange(shard.cpu(), step, bucket)  # (S,) sum over all regions
-            total.div_(topo.world_size)
+            totals = self._exchange_many([s.cpu() for s in shards], step, buckets)
+            for t in totals:  # (S,) sums over all regions
+                t.div_(topo.world_size)
         else:
-            total = shard.cpu()
-        full = self._intra_all_gather(total.to(g.device), S)
-        self.stats.intra_bytes += 4 * S * (L - 1)
+            totals = [s.cpu() for s in shards]
+        out = []
+        for x, k, total in zip(xs, n, totals, strict=True):
+            S = (k + (-k) % C) // C
+            full = self._intra_all_gather(total.to(g.device), S)
+            self.stats.intra_bytes += 4 * S * (L - 1)
+            out.append(full[:k].view_as(x).to(x.device))
         self.stats.sync_seconds += time.perf_counter() - t0
-        self.stats.syncs += 1
+        self.stats.syncs += len(xs)
         if self.adaptive is not None:
             self.adaptive.window.end()
-        return full[:n].view_as(x).to(x.device)
+        return out
 
     def _intra_reduce_scatter(self, x: torch.Tensor) -> torch.Tensor:
         """(C * S,) -> (S,): the region's sum of this rank's shard; (0,) on a local rank
@@ -182,8 +220,10 @@ class HierarchicalAllReduce:
         )
         return out
 
-    def _exchange(self, shard: torch.Tensor, step: int, bucket: int) -> torch.Tensor:
-        """Cross-region sum of `shard` (S,), identical on every region.
+    def _exchange_many(
+        self, shards: list[torch.Tensor], step: int, buckets: Sequence[int]
+    ) -> list[torch.Tensor]:
+        """Cross-region sum of each bucket's `shard` (S,), identical on every region.
 
         Reduce-scatter then all-gather across the R regions: the shard is cut into R pieces
         (P,); piece j goes (encoded) to region j, which sums the R decoded copies and sends
@@ -191,71 +231,97 @@ class HierarchicalAllReduce:
         would forward R - 2 of the sums through a third region). Each rank sends
         2 (R - 1) / R of its shard rather than (R - 1) shards. Every value a region uses
         comes out of the decoder (its own contributions too), so all regions apply bitwise
-        the same result.
+        the same result. Each stage sends every bucket's payload for a region in one frame
+        (`frame`): one exchange per stage, however many buckets.
         """
         topo = self.topo
         R, me = topo.regions, topo.region_index
         if R == 1:
-            return shard.clone()
-        if self.planner is not None:
-            return self.planner.exchange(self, shard, step, bucket)
-        n = shard.numel()
-        pieces = torch.nn.functional.pad(shard, (0, (-n) % R)).view(R, -1)  # (R, P)
-        P = pieces.shape[1]
-        res = self.residual(bucket, P)  # (R + 1, P)
+            return [s.clone() for s in shards]
+        if self.planner is not None:  # not coalesced: one bucket
+            plan = self.planner
+            return [plan.exchange(self, s, step, b) for s, b in zip(shards, buckets, strict=True)]
+        n = [s.numel() for s in shards]
+        pad = torch.nn.functional.pad
+        pieces = [pad(s, (0, (-k) % R)).view(R, -1) for s, k in zip(shards, n, strict=True)]
+        # (R, P) each; residuals (R + 1, P)
+        res = [self.residual(b, p.shape[1]) for b, p in zip(buckets, pieces, strict=True)]
         peers = topo.peer_ranks(topo.local_rank)  # region j's rank in this cross group
-        if self.secure is not None:  # stage 1 masked (training.secagg)
-            piece, sent = self.secure.scatter_sum(pieces, res, step, bucket)
+        if self.secure is not None:  # stage 1 masked (training.secagg); not coalesced
+            piece, sent = self.secure.scatter_sum(pieces[0], res[0], step, buckets[0])
+            summed = [piece]
         else:
-            piece, sent = self._scatter_sum(pieces, res, step, bucket)
+            summed, sent = self._scatter_sum(pieces, res, step, buckets)
         # stage 2: the sum of piece me, one payload for every region of the group
-        out_to = Address(self.epoch, step, topo.rank, BROADCAST, bucket, part=me, stage=GATHER)
-        payload, mine = self._encode(piece, res, R, out_to, self._choose("all", P))
-        blobs = self._all_to_all_bytes([b"" if i == me else payload for i in range(R)])
-        out = [
-            mine
-            if i == me
-            else self._decode(
-                blobs[i],
-                Address(self.epoch, step, peers[i], BROADCAST, bucket, part=i, stage=GATHER),
-                P,
-            )
-            for i in range(R)
-        ]
-        self.stats.cross_raw_bytes += 2 * 4 * pieces.shape[1] * (R - 1)
-        self.stats.cross_wire_bytes += sum(sent) + len(payload) * (R - 1)
+        payloads, mine = [], []
+        for b, piece, r in zip(buckets, summed, res, strict=True):
+            out_to = Address(self.epoch, step, topo.rank, BROADCAST, b, part=me, stage=GATHER)
+            payload, dec = self._encode(piece, r, R, out_to, self._choose("all", piece.numel()))
+            payloads.append(payload)
+            mine.append(dec)
+        framed = frame(payloads)
+        blobs = self._all_to_all_bytes([b"" if i == me else framed for i in range(R)])
+        got = {i: unframe(blobs[i], len(buckets), peers[i]) for i in range(R) if i != me}
+        out = []
+        for k, (b, own) in enumerate(zip(buckets, mine, strict=True)):
+            P = own.numel()
+            parts = [
+                own
+                if i == me
+                else self._decode(
+                    got[i][k],
+                    Address(self.epoch, step, peers[i], BROADCAST, b, part=i, stage=GATHER),
+                    P,
+                )
+                for i in range(R)
+            ]
+            out.append(torch.cat(parts)[: n[k]])
+            self.stats.cross_raw_bytes += 2 * 4 * P * (R - 1)
+        self.stats.cross_wire_bytes += sum(sent) + len(framed) * (R - 1)
         per_peer = self.stats.per_peer_wire
         for j in range(R):
             if j != me:
-                per_peer[j] = per_peer.get(j, 0) + sent[j] + len(payload)
-        return torch.cat(out)[:n]
+                per_peer[j] = per_peer.get(j, 0) + sent[j] + len(framed)
+        return out
 
     def _scatter_sum(
-        self, pieces: torch.Tensor, res: torch.Tensor, step: int, bucket: int
-    ) -> tuple[torch.Tensor, list[int]]:
-        """Stage 1: piece j (encoded) to region j; returns (the sum over regions of piece
-        me (P,), bytes sent to each region). Own piece: quantized, not sent."""
+        self,
+        pieces: list[torch.Tensor],
+        res: list[torch.Tensor],
+        step: int,
+        buckets: Sequence[int],
+    ) -> tuple[list[torch.Tensor], list[int]]:
+        """Stage 1: piece j of every bucket (encoded) to region j, in one frame; returns
+        (per bucket, the sum over regions of piece me (P,); bytes sent to each region).
+        Own piece: quantized, not sent."""
         topo = self.topo
-        R, me, P = topo.regions, topo.region_index, pieces.shape[1]
+        R, me = topo.regions, topo.region_index
         peers = topo.peer_ranks(topo.local_rank)
-        sent: list[bytes] = []
-        own = torch.empty(0)
-        for j in range(R):
-            to = Address(self.epoch, step, topo.rank, peers[j], bucket, part=j, stage=SCATTER)
-            choice = self._choose(topo.region_names[j], P, j) if j != me else None
-            payload, dec = self._encode(pieces[j], res, j, to, choice, send=j != me)
-            sent.append(payload)
-            if j == me:
-                own = dec
-        got = self._all_to_all_bytes(sent)
-        piece = torch.zeros_like(own)
-        for i in range(R):  # fixed order: every region sums alike
-            if i == me:
-                piece += own
-                continue
-            frm = Address(self.epoch, step, peers[i], topo.rank, bucket, part=me, stage=SCATTER)
-            piece += self._decode(got[i], frm, P)  # (P,): decode checks the size
-        return piece, [len(p) for p in sent]
+        to_region: list[list[bytes]] = [[] for _ in range(R)]
+        own: list[torch.Tensor] = []
+        for b, pc, r in zip(buckets, pieces, res, strict=True):
+            P = pc.shape[1]
+            for j in range(R):
+                to = Address(self.epoch, step, topo.rank, peers[j], b, part=j, stage=SCATTER)
+                choice = self._choose(topo.region_names[j], P, j) if j != me else None
+                payload, dec = self._encode(pc[j], r, j, to, choice, send=j != me)
+                to_region[j].append(payload)
+                if j == me:
+                    own.append(dec)
+        sent = [b"" if j == me else frame(p) for j, p in enumerate(to_region)]
+        blobs = self._all_to_all_bytes(sent)
+        got = {i: unframe(blobs[i], len(buckets), peers[i]) for i in range(R) if i != me}
+        summed = []
+        for k, (b, mine) in enumerate(zip(buckets, own, strict=True)):
+            piece = torch.zeros_like(mine)
+            for i in range(R):  # fixed order: every region sums alike
+                if i == me:
+                    piece += mine
+                    continue
+                frm = Address(self.epoch, step, peers[i], topo.rank, b, part=me, stage=SCATTER)
+                piece += self._decode(got[i][k], frm, mine.numel())  # decode checks the size
+            summed.append(piece)
+        return summed, [len(p) for p in sent]
 
     def clear_residuals(self) -> None:
         """Zero every bucket's residuals (DiLoCo at the end of its warm-up)."""
@@ -362,3 +428,39 @@ def flat_average(x: torch.Tensor, group: Any = None) -> torch.Tensor:
 ddp_comm_hook.__annotations__.update(
     bucket=dist.GradBucket, state=HookState, **{"return": torch.futures.Future[torch.Tensor]}
 )
+
+
+FRAME_LEN = 4
+"""Bytes of each payload's length in a frame (big-endian)."""
+
+
+def frame(payloads: list[bytes]) -> bytes:
+    """Several buckets' payloads for one region as one message: their lengths, then the
+    payloads. One payload is sent as it is (a sync of one bucket is unchanged on the
+    wire). The lengths are not authenticated; each payload is, so a tampered frame
+    fails as a framing error or at its payloads' tags."""
+    if len(payloads) == 1:
+        return payloads[0]
+    head = b"".join(len(p).to_bytes(FRAME_LEN, "big") for p in payloads)
+    return head + b"".join(payloads)
+
+
+def unframe(blob: bytes, count: int, source: int) -> list[bytes]:
+    """`frame`'s inverse for `count` payloads from global rank `source`; a frame whose
+    lengths do not add up to its size is refused (TransientReject: it was damaged in
+    transit or forged, and nothing of it is used)."""
+    if count == 1:
+        return [blob]
+    head = FRAME_LEN * count
+    lens = [int.from_bytes(blob[i : i + FRAME_LEN], "big") for i in range(0, head, FRAME_LEN)]
+    if len(blob) < head or head + sum(lens) != len(blob):
+        raise TransientReject(
+            f"a frame of {count} payloads from rank {source} is {len(blob)} bytes but its "
+            f"header says {head} + {sum(lens)}: damaged in transit or forged; nothing of it "
+            "is used (the launcher restarts the group from its newest checkpoint)"
+        )
+    out, at = [], head
+    for k in lens:
+        out.append(blob[at : at + k])
+        at += k
+    return out

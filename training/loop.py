@@ -81,9 +81,16 @@ def staged(job: Job) -> None:
         job.emit("checkpoint", step=step, stall_s=stall)
 
 
+def sync_clock(job: Job) -> float:
+    """Seconds this rank's loop has stalled on the cross-region sync: its blocking syncs,
+    and the waits at streaming landings for exchanges that outlasted tau steps."""
+    waited = job.diloco.waited_s if job.diloco is not None else 0.0
+    return job.sync.stats.sync_seconds + waited
+
+
 def train_step(job: Job) -> None:
     t0 = time.perf_counter()
-    sync_before = job.sync.stats.sync_seconds
+    sync_before = sync_clock(job)
     tokens = job.loader.next().to(job.groups.device)
     job.opt.zero_grad(set_to_none=True)
     c0 = time.perf_counter()  # compute: forward, backward, optimizer (utilisation)
@@ -115,7 +122,7 @@ def train_step(job: Job) -> None:
     if ckpt_due:
         job.ckpt.save(job.step, state_dict(job))
         job.last_save = time.monotonic()
-    step_s, sync_s = time.perf_counter() - t0, job.sync.stats.sync_seconds - sync_before
+    step_s, sync_s = time.perf_counter() - t0, sync_clock(job) - sync_before
     report(job, loss, step_s, sync_s, merged, compute)
     balance.stepped(job, step_s - sync_s)  # throughput balance: measure, then assign
 

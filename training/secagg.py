@@ -1,6 +1,6 @@
 """Secure aggregation of the cross-region scatter stage: pairwise masks over a shared scale.
 
-In `HierarchicalAllReduce._exchange`, region j sums piece j of every region's shard. With
+In `HierarchicalAllReduce._exchange_many`, region j sums piece j of every region's shard. With
 secure aggregation it receives each piece masked, so it learns only the sum of the other
 regions' contributions, never one region's values (with 3 or more regions: with 2, the
 sum minus its own contribution is the other's, whatever the protocol).

@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import queue
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -68,10 +68,12 @@ class TwinSync(HierarchicalAllReduce):
         assert self.main is not None  # set by twin()
         return self.main.residual(bucket, piece)  # read each call: resume re-points the dict
 
-    def all_reduce(self, x: torch.Tensor, step: int, bucket: int = 0) -> torch.Tensor:
+    def all_reduce_many(
+        self, xs: Sequence[torch.Tensor], step: int, buckets: Sequence[int]
+    ) -> list[torch.Tensor]:
         assert self.main is not None
         before = dataclasses.replace(self.stats, per_peer_wire=dict(self.stats.per_peer_wire))
-        out = super().all_reduce(x, step, bucket)
+        out = super().all_reduce_many(xs, step, buckets)
         _add_bytes(self.main.stats, self.stats, before)
         return out
 

@@ -174,3 +174,19 @@ def join_lab_world(spec_path: str, rank: int, timeout_s: float) -> tuple[LaunchS
         gloo.bind(node.host), store=store, rank=rank, world_size=spec.world_size
     )
     return spec, Topology.of(spec, rank)
+
+
+class PerBucket:
+    """A DiLoCo reducer (training.diloco.Reducer) made of a per-bucket `all_reduce`: test
+    doubles that fix, gate or fail one bucket's average define only that."""
+
+    def all_reduce(self, x: torch.Tensor, step: int, bucket: int = 0) -> torch.Tensor:
+        raise NotImplementedError
+
+    def all_reduce_many(
+        self, xs: Sequence[torch.Tensor], step: int, buckets: Sequence[int]
+    ) -> list[torch.Tensor]:
+        return [self.all_reduce(x, step, b) for x, b in zip(xs, buckets, strict=True)]
+
+    def clear_residuals(self) -> None:
+        pass

@@ -17,7 +17,7 @@ from training.diloco import DiLoCo, outer_hint, suggested_outer_lr
 from training.gradsync import buckets, hierarchical_step
 from training.hier import HierarchicalAllReduce
 from training.spec import CodecSpec, DilocoSpec, LaunchSpec
-from training.testing import make_spec, run_world
+from training.testing import PerBucket, make_spec, run_world
 from training.topology import Groups, Topology, make_groups
 
 pytestmark = pytest.mark.timeout(120)
@@ -178,12 +178,9 @@ def test_schedule_counts_merges_from_the_end_of_the_warmup() -> None:
     assert not timed.due(5, 10)  # time-based only: no step-based merge before the last step
 
 
-class _NoSync:
+class _NoSync(PerBucket):
     def all_reduce(self, x: torch.Tensor, step: int, bucket: int = 0) -> torch.Tensor:
         return x
-
-    def clear_residuals(self) -> None:
-        pass
 
 
 def test_outer_lr_rule_rises_with_regions_between_the_anchors() -> None:

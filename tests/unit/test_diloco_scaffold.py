@@ -20,7 +20,7 @@ from training.errors import SpecError
 from training.gradsync import buckets
 from training.hier import HierarchicalAllReduce
 from training.spec import CodecSpec, DilocoSpec
-from training.testing import make_spec, run_world
+from training.testing import PerBucket, make_spec, run_world
 from training.topology import Topology, make_groups
 
 pytestmark = pytest.mark.timeout(120)
@@ -28,7 +28,7 @@ KEY = bytes(range(32))
 SCAFFOLD = "scaffold"
 
 
-class _Peer:
+class _Peer(PerBucket):
     """A two-region average where the other region's pseudo-gradient is fixed: `other`."""
 
     def __init__(self, other: torch.Tensor) -> None:
@@ -36,9 +36,6 @@ class _Peer:
 
     def all_reduce(self, x: torch.Tensor, step: int, bucket: int = 0) -> torch.Tensor:
         return (x + self.other) / 2
-
-    def clear_residuals(self) -> None:
-        pass
 
 
 def _walk(d: DiLoCo, steps: int, own_step: torch.Tensor, start: int = 0) -> None:

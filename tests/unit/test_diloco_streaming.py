@@ -19,7 +19,7 @@ from training.gradsync import buckets
 from training.hier import HierarchicalAllReduce
 from training.spec import CodecSpec, DilocoSpec, LaunchSpec
 from training.streaming import twin
-from training.testing import make_spec, run_world
+from training.testing import PerBucket, make_spec, run_world
 from training.topology import Topology, make_groups
 
 pytestmark = pytest.mark.timeout(120)
@@ -122,7 +122,7 @@ def _equal(out: list[Any], step: int, i: int) -> bool:
     return all(torch.equal(o["weights"][step][i], out[0]["weights"][step][i]) for o in out)
 
 
-class _Gated:
+class _Gated(PerBucket):
     """A one-region reducer (the identity) that blocks until the loop says it stepped on."""
 
     def __init__(self) -> None:
@@ -133,9 +133,6 @@ class _Gated:
         self.threads.append(threading.current_thread().name)
         assert self.stepped.wait(timeout=20), "the loop did not step on while exchanging"
         return x
-
-    def clear_residuals(self) -> None:
-        pass
 
 
 def test_late_merge_exchanges_on_a_background_thread_while_the_loop_computes() -> None:
@@ -158,12 +155,9 @@ def _local_step(p: torch.nn.Parameter, by: float) -> None:
         p.add_(by)
 
 
-class _Identity:
+class _Identity(PerBucket):
     def all_reduce(self, x: torch.Tensor, step: int, bucket: int = 0) -> torch.Tensor:
         return x
-
-    def clear_residuals(self) -> None:
-        pass
 
 
 def test_mix_keeps_its_share_of_the_progress_made_while_the_merge_was_in_flight() -> None:

@@ -124,6 +124,76 @@ def test_a_tampered_payload_is_rejected_by_its_receivers_and_never_applied() -> 
     assert [s for s, _ in out].count("applied") <= 2
 
 
+class _Counting(HierarchicalAllReduce):
+    """Counts the cross-region exchanges; `damage`: the first length of every frame it
+    sends is off by one (a frame damaged in transit)."""
+
+    exchanges = 0
+    damage = False
+
+    def _all_to_all_bytes(self, payloads: list[bytes]) -> list[bytes]:
+        self.exchanges += 1
+        if self.damage:
+            payloads = [p[:3] + bytes([p[3] ^ 1]) + p[4:] if p else p for p in payloads]
+        return super()._all_to_all_bytes(payloads)
+
+
+def _counting(rank: int, quant: str) -> _Counting:
+    spec = make_spec(REGIONS, LOCAL)
+    topo = Topology.of(spec, rank)
+    codec = Codec(CodecSpec(quantize=quant, cipher="sm4-gcm", block_size=64), KEY)
+    return _Counting(topo, make_groups(topo, torch.device("cpu")), codec, spec.run_id)
+
+
+def _many(rank: int, world: int, quant: str) -> dict[str, Any]:
+    many, each = _counting(rank, quant), _counting(rank, quant)
+    sizes = (4099, 10, 700)  # uneven, one smaller than the pieces' padding
+    out: dict[str, Any] = {"many": [], "each": []}
+    for step in range(2):  # the second step carries the first one's residuals
+        g = torch.Generator().manual_seed(100 * step + rank)
+        xs = [torch.randn(n, generator=g) for n in sizes]
+        out["many"] += many.all_reduce_many(xs, step, [0, 1, 2])
+        out["each"] += [each.all_reduce(x, step, b) for b, x in enumerate(xs)]
+    out["exchanges"] = (many.exchanges, each.exchanges)
+    out["wire"] = (many.stats.cross_wire_bytes, each.stats.cross_wire_bytes)
+    out["raw"] = (many.stats.cross_raw_bytes, each.stats.cross_raw_bytes)
+    return out
+
+
+@pytest.mark.parametrize("quant", ["none", "int4"])
+def test_buckets_synced_together_are_bitwise_those_synced_one_by_one_in_two_exchanges(
+    quant: str,
+) -> None:
+    out = run_world(_many, WORLD, quant)
+    for r in out:
+        assert all(torch.equal(a, b) for a, b in zip(r["many"], r["each"], strict=True))
+        assert all(torch.equal(a, b) for a, b in zip(r["many"], out[0]["many"], strict=True))
+    for r in out:  # equal regions: every rank is in a cross group
+        assert r["exchanges"] == (2 * 2, 2 * 2 * 3)  # 2 steps: 2 stages vs 2 per bucket
+        assert r["raw"][0] == r["raw"][1]
+        # the frames' headers: 3 lengths of 4 bytes, 2 stages, 2 peers, 2 steps
+        assert r["wire"][0] == r["wire"][1] + 4 * 3 * 2 * 2 * 2
+
+
+def _damaged_frame(rank: int, world: int) -> str:
+    sync = _counting(rank, "int8")
+    sync.damage = rank == 2  # a frankfurt worker's frames
+    try:
+        sync.all_reduce_many([torch.ones(300), torch.ones(50)], 0, [0, 1])
+    except PayloadRejected as e:
+        return "rejected: " + str(e)
+    except RuntimeError:  # a peer that rejected left the collective
+        return "aborted"
+    return "applied"
+
+
+def test_a_damaged_frame_is_refused_by_its_receivers_and_nothing_of_it_applied() -> None:
+    out = run_world(_damaged_frame, WORLD)
+    # rank 2 (frankfurt, local rank 0) sends to ranks 0 and 4
+    for r in (0, 4):
+        assert out[r].startswith("rejected: a frame of 2 payloads from rank 2"), out
+
+
 def _ddp(rank: int, world: int, hooked: bool) -> torch.Tensor:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
