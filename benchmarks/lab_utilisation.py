@@ -53,28 +53,39 @@ MODES: dict[str, dict[str, Any]] = {
         "diloco": {"inner_steps": 50, "fragments": 3, "tau": 5},
         "compression": INT4,
     },
+    # tau long enough for a fragment's exchange (two exchanges, each about two round
+    # trips of the slowest link: 1.1 s here) to end under the inner steps
+    "streaming diloco H=50 int4, 3 fragments, tau 15": {
+        "sync": "diloco",
+        "diloco": {"inner_steps": 50, "fragments": 3, "tau": 15},
+        "compression": INT4,
+    },
 }
 
 
 NOTES = (
     "Userspace wireguard-go, FRR, the latency relays and the workers (six with two ranks "
     "per region, three with one) share this machine's 2 cores. Per-step all-reduce is bound "
-    "by the links' round trips (several per bucket and stage over 120-280 ms paths). With "
-    "two ranks per region, the DiLoCo modes' other time includes the gradient all-reduce "
-    "inside each region, and six workers slow compute itself. Every 10th step "
-    "(training.loop.CONTROL_EVERY) all ranks agree the time-based merge and checkpoint "
-    "triggers (two gloo all-gathers across the regions, about a second over these round "
-    "trips; checkpoint.interval_minutes defaults to 30, so every run has one). It used to "
-    "stall that step: 1.09-1.10 s of other time on every 10th step with one rank per region "
-    "(utilisation 20% for diloco and streaming), 2.5-2.8 s with two (the 2-rank table was "
-    "measured then). The gather now runs under the next ten steps and its flags apply one "
-    "control round late (training.session.Control.start_gather): 0.03-0.04 s on those "
-    "steps, diloco 39%, streaming 34% (1-rank table). Streaming's remaining other time "
-    "falls on steps that are neither typical nor trigger steps (the step event does not say "
-    "which work; the fragments' launch and landing, and their background exchange competing "
-    "for the 2 cores, are the candidates). The 90% the issue targets is not shown here: it "
-    "needs compute per step large against what is left (a larger model or batch, a core per "
-    "rank, kernel WireGuard).\n"
+    "by the links' round trips. Sync time is the loop's stall on the cross-region sync: "
+    "blocking merges and gradient syncs, and waits at streaming landings for exchanges "
+    "that outlasted tau steps (before, those waits were counted as other time). Changes "
+    "measured by these tables, in order: (1) every 10th step (training.loop.CONTROL_EVERY) "
+    "all ranks agree the time-based merge and checkpoint triggers (checkpoint."
+    "interval_minutes defaults to 30, so every run has it); that gather stalled the step "
+    "(1.1 s with one rank per region, 2.5-2.8 s with two) and now runs under the following "
+    "steps, its flags applied CONTROL_LATE = 2 control rounds later (with one round it "
+    "still waited 0.03-0.11 s per control step, most while a fragment's exchange shared "
+    "the links); (2) the buckets of a merge, a gradient sync or a fragment share one "
+    "exchange per stage (HierarchicalAllReduce.all_reduce_many): each exchange costs about "
+    "two round trips of the slowest link whatever its size, so a 3-bucket merge went from "
+    "about 3.85 s to 1.3 s (diloco 39% -> 65%, per-step all-reduce 3.9 -> 1.9-2.4 s); "
+    "(3) tau 15: a fragment's exchange (two exchanges, about 1.1 s) ends under 15 inner "
+    "steps, not under 5. The 2-rank table was measured before all three. 'Without the last "
+    "step': the run's last step merges every fragment at once, blocking, once per run "
+    "however long it is. With the stack's batch (4 x 64 tokens, about 65 ms of compute per "
+    "step) what is left per step (the merges' round trips, the step's own work) weighs as "
+    "much as compute; batch 16 (about 0.19 s per step) is closer to the seconds-long steps "
+    "of the runs the issue cites.\n"
 )
 
 
@@ -84,11 +95,16 @@ def _geotrain(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     )
 
 
-def run_mode(doc: dict[str, Any], settings: dict[str, Any], steps: int) -> dict[str, Any]:
-    """One `geotrain train` of the lab stack with `settings`; its utilisation per region."""
+def run_mode(
+    doc: dict[str, Any], settings: dict[str, Any], steps: int, batch: int | None = None
+) -> dict[str, Any]:
+    """One `geotrain train` of the lab stack with `settings` (and `batch` per rank, None:
+    the stack's); its utilisation per region."""
     d = copy.deepcopy(doc)
     t = d["config"]["geotrain:training"]
     t.update(copy.deepcopy(settings), steps=steps)
+    if batch is not None:
+        t["batch_size"] = batch
     t["checkpoint"] = {"interval_steps": steps, "keep": 1}  # one save, at the end
     with tempfile.TemporaryDirectory(prefix="geotrain-util-") as tmp:
         cwd = Path(tmp)
@@ -104,7 +120,7 @@ def run_mode(doc: dict[str, Any], settings: dict[str, Any], steps: int) -> dict[
     steps_ev = [e for e in events if e["event"] == "step"]
     from training.loop import CONTROL_EVERY  # steps whose triggers are agreed across ranks
 
-    util, wire = {}, {}
+    util, wire, steady = {}, {}, {}
     split: dict[str, list[float]] = {
         k: [] for k in ("compute", "sync", "other", "between", "other_median", "other_control")
     }
@@ -113,6 +129,9 @@ def run_mode(doc: dict[str, Any], settings: dict[str, Any], steps: int) -> dict[
         wall = ev[-1]["t"] - (ev[0]["t"] - ev[0]["step_s"])
         compute, sync = sum(e["compute_s"] for e in ev), sum(e["sync_s"] for e in ev)
         util[region] = compute / wall
+        # without the last step: it merges every fragment at once (blocking), a cost a run
+        # pays once, however long; 150 steps weigh it 50 times more than 7,500 would
+        steady[region] = (compute - ev[-1]["compute_s"]) / (wall - ev[-1]["step_s"])
         wire[region] = ev[-1]["cross_wire"]
         # per step: compute + sync + other = wall / steps; "between" (part of other) is the
         # wall time outside train_step (the loop's checks, the event write)
@@ -129,6 +148,7 @@ def run_mode(doc: dict[str, Any], settings: dict[str, Any], steps: int) -> dict[
     wall_s = max(e["t"] for e in steps_ev) - min(e["t"] - e["step_s"] for e in steps_ev)
     out: dict[str, Any] = {
         "utilisation": statistics.median(util.values()),
+        "steady": statistics.median(steady.values()),
         "per_region": util,
         "wall_s": wall_s,
         "cross_mb": sum(wire.values()) / 1e6,
@@ -158,17 +178,19 @@ def table(results: dict[str, dict[str, Any]]) -> list[str]:
     from training.loop import CONTROL_EVERY
 
     lines = [
-        "| mode | utilisation | per region | compute per step (s) | sync per step (s) | "
-        "other per step (s) | wall per step (s) | cross-region MB per step |",
-        "|---|---|---|---|---|---|---|---|",
+        "| mode | utilisation | without the last step | per region | compute per step (s) | "
+        "sync per step (s) | other per step (s) | wall per step (s) | "
+        "cross-region MB per step |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for name, r in results.items():
         if "skipped" in r:
-            lines.append(f"| {name} | not run: {r['skipped']} | | | | | | |")
+            lines.append(f"| {name} | not run: {r['skipped']} | | | | | | | |")
             continue
         per = ", ".join(f"{k} {v:.0%}" for k, v in r["per_region"].items())
         lines.append(
-            f"| {name} | {r['utilisation']:.0%} | {per} | {r['compute_s']:.3f} | "
+            f"| {name} | {r['utilisation']:.0%} | {r['steady']:.0%} | {per} | "
+            f"{r['compute_s']:.3f} | "
             f"{r['sync_s']:.3f} | {r['other_s']:.3f} (median {r['other_median_s']:.3f}, "
             f"every {CONTROL_EVERY}th {r['other_control_s']:.3f}, "
             f"between steps {r['between_s']:.3f}) | "
@@ -177,20 +199,22 @@ def table(results: dict[str, dict[str, Any]]) -> list[str]:
     return lines
 
 
-def subsections(section: str) -> dict[int, str]:
-    """The ranks-per-region tables of an existing section, keyed by ranks per region. A
-    section written before there were two (one table, no subheading) was 2 ranks."""
+def subsections(section: str) -> dict[str, str]:
+    """The tables of an existing section, keyed by their heading after SUBSECTION ("1 rank
+    per region", "1 rank per region, batch 16"). A section written before there were two
+    (one table, no subheading) was 2 ranks."""
     parts = section.split("\n" + SUBSECTION)
     if len(parts) == 1:
         rows = [x for x in section.splitlines() if x.startswith("|")]
         if not rows:
             return {}
-        return {2: f"{SUBSECTION}2 ranks per region\n\nAn earlier run.\n\n" + "\n".join(rows)}
+        key = "2 ranks per region"
+        return {key: f"{SUBSECTION}{key}\n\nAn earlier run.\n\n" + "\n".join(rows)}
     found = {}
     for part in parts[1:]:
         lines = part.splitlines()
         last_row = max(i for i, x in enumerate(lines) if x.startswith("|"))  # table's end
-        found[int(part.split(" ", 1)[0])] = SUBSECTION + "\n".join(lines[: last_row + 1])
+        found[lines[0]] = SUBSECTION + "\n".join(lines[: last_row + 1])
     return found
 
 
@@ -201,7 +225,12 @@ def main() -> None:
     ap.add_argument(
         "--ranks-per-region", type=int, default=2, help="1: each region's first node only"
     )
+    ap.add_argument(
+        "--batch", type=int, default=None, help="sequences per rank (default: the stack's)"
+    )
     a = ap.parse_args()
+    if a.batch is not None and a.batch < 1:
+        raise SystemExit(f"--batch {a.batch}: give a number of sequences per rank, 1 or more")
     sys.path.insert(0, str(ROOT))
     sys.path.insert(0, str(ROOT / "benchmarks"))
 
@@ -223,18 +252,26 @@ def main() -> None:
     try:
         rtts = round_trips(plan)
         results = {
-            name: run_mode(doc, s, a.allreduce_steps if s["sync"] == "allreduce" else a.steps)
+            name: run_mode(
+                doc, s, a.allreduce_steps if s["sync"] == "allreduce" else a.steps, a.batch
+            )
             for name, s in MODES.items()
         }
     finally:
         lab.lab_down(plan, state)
     n = a.ranks_per_region
+    t = doc["config"]["geotrain:training"]
+    key = f"{n} rank{'s' if n > 1 else ''} per region" + (
+        f", batch {a.batch}" if a.batch is not None else ""
+    )
     lowered = (a.steps, a.allreduce_steps) != (DEFAULT_STEPS, DEFAULT_ALLREDUCE_STEPS)
     sub = "\n".join(
         [
-            f"{SUBSECTION}{n} rank{'s' if n > 1 else ''} per region",
+            f"{SUBSECTION}{key}",
             "",
-            f"{a.allreduce_steps} steps of allreduce, {a.steps} of each DiLoCo mode"
+            f"Batch {a.batch or t['batch_size']} x {t['seq_len']} tokens per rank"
+            + ("" if a.batch is None else f" (the stack's: {t['batch_size']})")
+            + f"; {a.allreduce_steps} steps of allreduce, {a.steps} of each DiLoCo mode"
             + (
                 f" (not the defaults {DEFAULT_ALLREDUCE_STEPS} and {DEFAULT_STEPS})"
                 if lowered
@@ -250,12 +287,12 @@ def main() -> None:
     old = RESULTS.read_text() if RESULTS.exists() else ""
     head, _, old_section = old.partition(SECTION)
     subs = subsections(old_section)
-    subs[n] = sub
+    subs[key] = sub
     section = (
         "\n".join(
             [
                 intro(plan.tunnels[0].bandwidth_mbps),
-                *(subs[k] + "\n" for k in sorted(subs)[::-1]),
+                *(subs[k] + "\n" for k in sorted(subs, reverse=True)),
             ]
         )
         + "\n"

@@ -63,9 +63,9 @@ class Job:
     reported: dict[str, int] = field(default_factory=dict)
     """Byte counters already added to the Prometheus counters."""
     control: Control | None = None
-    pending: Pending | None = None
-    """The control gather in flight (training.loop.due)."""
     """Authenticated exchange of the time-based flags over every rank (`due`)."""
+    pending: list[Pending] = field(default_factory=list)
+    """The control gathers in flight, oldest first (training.loop.due)."""
     ledger: Ledger | None = None
     """This region's signed training ledger (region leaders with a run dir only)."""
     privacy: RegionPrivacy | None = None

@@ -29,10 +29,15 @@ from training.state import resume, state_dict
 
 CONTROL_EVERY = 10
 """Time-based merges/saves are agreed on every this many steps (two flags per rank, MAC'd:
-training.session.Control), one round late: the flags gathered at one control step are
-applied at the next, so the gather (two WAN round trips, about a second in the lab, on
-every 10th step) runs under the steps in between instead of stalling one. A time-based
-trigger fires at most CONTROL_EVERY steps after it is due."""
+training.session.Control), CONTROL_LATE rounds late: the flags gathered at one control
+step are applied CONTROL_LATE control steps later, so the gather (a ring all-gather over
+the WAN, about a second in the lab, on every 10th step) runs under the steps in between
+instead of stalling one. A time-based trigger fires less than (CONTROL_LATE + 1) x
+CONTROL_EVERY steps after it is due (seen at the next control step, applied
+CONTROL_LATE control steps after that)."""
+CONTROL_LATE = 2
+"""With one round (ten 65 ms steps in the lab) the gather was not always done: 0.03-0.11 s
+waits on control steps, most while a streaming fragment's exchange shared the links."""
 
 
 def params_digest(model: torch.nn.Module) -> str:
@@ -54,19 +59,18 @@ def due(job: Job) -> tuple[bool, bool]:
             now - job.last_save >= 60 * spec.checkpoint.interval_minutes,
         ]
         assert job.control is not None  # set by setup
-        views = job.pending.result() if job.pending is not None else []  # last round's
-        job.pending = job.control.start_gather(mine)  # every rank's flags, each verified
+        job.pending.append(job.control.start_gather(mine))  # every rank's flags, verified
+        views = job.pending.pop(0).result() if len(job.pending) > CONTROL_LATE else []
         merge_due = merge_due or any(v[0] for v in views)
         ckpt_due = ckpt_due or any(v[1] for v in views)
     return merge_due, ckpt_due
 
 
 def settle(job: Job) -> None:
-    """The control gather still in flight at the end (its flags are no longer needed, but
-    every rank completes it before the group goes)."""
-    if job.pending is not None:
-        job.pending.result()
-        job.pending = None
+    """The control gathers still in flight at the end (their flags are no longer needed,
+    but every rank completes them before the group goes)."""
+    while job.pending:
+        job.pending.pop(0).result()
 
 
 def staged(job: Job) -> None:

@@ -36,7 +36,8 @@ DCGM_COUNTERS = "/etc/dcgm-exporter/default-counters.csv"
 """Shipped by NVIDIA's datacenter-gpu-manager-exporter package."""
 
 CONTROL_EVERY_STEPS = 10
-"""training.loop.CONTROL_EVERY: time-based merges are agreed on every 10 steps."""
+"""training.loop.CONTROL_EVERY: time-based merges are agreed on every 10 steps (and applied
+CONTROL_LATE = 2 control steps after they are seen)."""
 STALL_FLOOR_S = 600
 """Shortest sync-stall threshold: 10 min rides out a slow step, a checkpoint fence and a
 restarted rank's first steps."""
@@ -90,7 +91,8 @@ def alert_windows(plan: Plan) -> AlertWindows:
         return AlertWindows(every_steps, None, STALL_FLOOR_S, 3600, 2 * ckpt_s)
     every_s = int((t.diloco.interval_minutes or 0) * 60)
     # A merge is due T after the last one, is noticed at the next control step (every 10
-    # steps) and then takes one merge: gaps are T + a few minutes. Margin: half of T, at
+    # steps), applied two control steps later (training.loop.CONTROL_LATE), and then takes
+    # one merge: gaps are T + a few minutes. Margin: half of T, at
     # least the floor. T = 30 min: 1800 + max(900, 600) = 2700 s (45 min).
     stall = every_s + max(every_s // 2, STALL_FLOOR_S)
     # Compare the last merge with the average of the last 6 merges (at least an hour):
@@ -924,10 +926,10 @@ def _simulated_run(plan: Plan) -> _Run:
     w = alert_windows(plan)
     ckpt_s = w.checkpoint_stale_s // 2
     if w.every_s is not None:
-        # a merge is due T after the last, is seen at the next control step (10 x 5 s)
-        # and then runs 3 minutes: gaps of T + 230 s
+        # a merge is due T after the last, is seen at the next control step and applied
+        # two control steps later (up to 3 x 10 x 5 s), then runs 3 minutes: T + 330 s
         step_s, merge_s = 5.0, 180.0
-        gap = w.every_s + CONTROL_EVERY_STEPS * step_s + merge_s
+        gap = w.every_s + 3 * CONTROL_EVERY_STEPS * step_s + merge_s
     elif w.every_steps == 1:
         step_s, merge_s = 30.0, 0.0
         gap = step_s
