@@ -65,6 +65,16 @@ MODEL = ModelConfig(
 """~92k parameters: a step of 8 x 32 bytes takes ~30 ms on one core."""
 
 
+def widened(dim: int) -> ModelConfig:
+    """MODEL at width `dim`, its other widths in the same proportions (48: MODEL itself)."""
+    if dim < 12 or dim % 6:
+        raise SystemExit(f"--dim {dim}: give a multiple of 6, at least 12 (the default is 48)")
+    d = dim // 3
+    return replace(
+        MODEL, dim=dim, kv_rank=d, nope_dim=d, rope_dim=dim // 6, v_dim=d, expert_dim=2 * dim
+    )
+
+
 @dataclass(frozen=True)
 class Setup:
     steps: int = 1000
@@ -83,6 +93,8 @@ class Setup:
     """Held-out windows each region evaluates the final model on."""
     seed: int = 0
     """Initial weights and data order (0: the main table's); the eval windows stay fixed."""
+    model: ModelConfig = MODEL
+    """The model every run trains (--dim widens it)."""
 
 
 @dataclass(frozen=True)
@@ -202,7 +214,7 @@ def _rank(rank: int, world: int, run: Run, setup: Setup) -> dict[str, Any]:
     codec = Codec(CodecSpec(quantize=run.quant, cipher="sm4-gcm"), KEY)
     sync = HierarchicalAllReduce(topo, groups, codec, "bench", error_feedback=True)
     torch.manual_seed(1234 + setup.seed)  # the same initial weights in every region and run
-    model = DeepSeekLM(MODEL)
+    model = DeepSeekLM(setup.model)
     opt = torch.optim.AdamW(model.parameters(), lr=setup.lr * run.lr_scale, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_factor(run.schedule, setup.steps))
     d = None
@@ -411,10 +423,19 @@ def main() -> None:
         help="measure the --only rows (and allreduce int8) at each of these seeds and save "
         "their spread to diloco_parity_seeds.md instead of the main table",
     )
+    ap.add_argument(
+        "--dim",
+        type=int,
+        default=MODEL.dim,
+        help="model width (other widths scale with it); with --only, the rows are saved to "
+        "diloco_parity_dim<D>.md next to the allreduce int8 row at that width",
+    )
     a = ap.parse_args()
     if a.seeds:
         return spread(a.only or [], a.seeds, a.steps)
-    setup = Setup(steps=a.steps)
+    if a.dim != MODEL.dim and a.cache:
+        raise SystemExit(f"--dim {a.dim} with --cache: the cache holds rows of width {MODEL.dim}")
+    setup = Setup(steps=a.steps, model=widened(a.dim))
     cached = json.loads(a.cache.read_text()) if a.cache and a.cache.exists() else {}
     results: dict[str, dict[str, Any]] = {}
     for run in runs():
@@ -428,6 +449,10 @@ def main() -> None:
                 a.cache.write_text(json.dumps({**cached, **results}, indent=1))
     out = table(results, setup) + bought(results)
     print(out)
+    if a.dim != MODEL.dim:  # a width study: its rows alone, never the main table
+        RESULTS.mkdir(exist_ok=True)
+        (RESULTS / f"diloco_parity_dim{a.dim}.md").write_text(table(results, setup))
+        return
     if len(results) == len(runs()):
         RESULTS.mkdir(exist_ok=True)
         (RESULTS / "diloco_parity.md").write_text(out)

@@ -132,6 +132,8 @@ class HierarchicalAllReduce:
         bitwise those of B `all_reduce` calls."""
         if len(xs) != len(buckets) or len(set(buckets)) != len(buckets):
             raise ValueError(f"all_reduce_many: {len(xs)} tensors for buckets {list(buckets)}")
+        if not xs:  # nothing to sync: no collective (every rank passes the same buckets)
+            return []
         if not self.coalesced:  # each bucket's exchange on its own (every rank alike)
             pairs = zip(xs, buckets, strict=True)
             return [self._all_reduce_many([x], step, [b])[0] for x, b in pairs]

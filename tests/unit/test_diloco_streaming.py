@@ -5,6 +5,7 @@ validation in the stack, the launch spec and the runtime."""
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -148,6 +149,32 @@ def test_late_merge_exchanges_on_a_background_thread_while_the_loop_computes() -
     assert d.due(5, 20) and len(d.advance(5, 20, _Hash)) == 1
     assert gated.threads == ["diloco-stream"]
     assert torch.equal(p.detach(), torch.full((3,), 1.0))  # global - delta sent at step 3
+
+
+class _Slow(PerBucket):
+    """The identity, taking `seconds` per bucket (an exchange over slow links)."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def all_reduce(self, x: torch.Tensor, step: int, bucket: int = 0) -> torch.Tensor:
+        time.sleep(self.seconds)
+        return x
+
+
+def test_a_landing_that_waits_for_its_exchange_counts_the_wait_as_a_stall() -> None:
+    p = torch.nn.Parameter(torch.zeros(3))
+    slow = _Slow(0.4)
+    d = DiLoCo([[p]], DilocoSpec(every_steps=4, tau=1), slow, slow)
+    d.advance(3, 20, _Hash)  # sent after step 3, lands after step 4
+    assert d.waited_s == 0.0
+    d.advance(4, 20, _Hash)  # step 4 took no time: the landing waits out the exchange
+    assert 0.2 < d.waited_s < 5
+    waited = d.waited_s
+    d.advance(7, 20, _Hash)
+    time.sleep(0.6)  # tau steps longer than the exchange: no wait
+    d.advance(8, 20, _Hash)
+    assert d.waited_s - waited < 0.1
 
 
 def _local_step(p: torch.nn.Parameter, by: float) -> None:
