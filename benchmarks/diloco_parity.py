@@ -157,6 +157,10 @@ def runs() -> list[Run]:
         replace(avg, name="H=50 int4, averaging, warm-up 100", warmup=100),
         replace(avg, name="H=50 int4, averaging, cosine", schedule="cosine"),
         replace(avg, name="H=50 int4, averaging, streaming 4 fragments tau 5", fragments=4, tau=5),
+        # tau long enough to cover a fragment's exchange over the lab's links (lab_network.md)
+        replace(
+            avg, name="H=50 int4, averaging, streaming 4 fragments tau 15", fragments=4, tau=15
+        ),
         replace(avg, name="H=50 int4, averaging, warm-up 20", warmup=20),
         replace(base, name="H=50 int4, outer lr 0.2", outer_lr=0.2),
         # the floor of merging AdamW replicas: their updates averaged after every step
@@ -351,6 +355,11 @@ BOUGHT = (
         "averaging + streaming (4 fragments, tau 5)",
         AVG + " lr 1 (averaging)",
         "H=50 int4, averaging, streaming 4 fragments tau 5",
+    ),
+    (
+        "averaging, streaming: tau 5 -> 15",
+        "H=50 int4, averaging, streaming 4 fragments tau 5",
+        "H=50 int4, averaging, streaming 4 fragments tau 15",
     ),
     (
         "averaging + scaffold drift correction",
