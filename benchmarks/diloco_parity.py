@@ -161,6 +161,21 @@ def runs() -> list[Run]:
         replace(
             avg, name="H=50 int4, averaging, streaming 4 fragments tau 15", fragments=4, tau=15
         ),
+        # mix 0 drops the progress a fragment made in flight: 15 of every 50 steps' at tau 15
+        replace(
+            avg,
+            name="H=50 int4, averaging, streaming 4 fragments tau 15 mix 0.5",
+            fragments=4,
+            tau=15,
+            mix=0.5,
+        ),
+        replace(
+            avg,
+            name="H=50 int4, averaging, streaming 4 fragments tau 15 mix 1",
+            fragments=4,
+            tau=15,
+            mix=1.0,
+        ),
         replace(avg, name="H=50 int4, averaging, warm-up 20", warmup=20),
         replace(base, name="H=50 int4, outer lr 0.2", outer_lr=0.2),
         # the floor of merging AdamW replicas: their updates averaged after every step
@@ -360,6 +375,16 @@ BOUGHT = (
         "averaging, streaming: tau 5 -> 15",
         "H=50 int4, averaging, streaming 4 fragments tau 5",
         "H=50 int4, averaging, streaming 4 fragments tau 15",
+    ),
+    (
+        "averaging, streaming tau 15: mix 0 -> 0.5",
+        "H=50 int4, averaging, streaming 4 fragments tau 15",
+        "H=50 int4, averaging, streaming 4 fragments tau 15 mix 0.5",
+    ),
+    (
+        "averaging, streaming tau 15: mix 0 -> 1",
+        "H=50 int4, averaging, streaming 4 fragments tau 15",
+        "H=50 int4, averaging, streaming 4 fragments tau 15 mix 1",
     ),
     (
         "averaging + scaffold drift correction",
