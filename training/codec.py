@@ -63,6 +63,8 @@ STAGES = ("scatter", "gather", "secagg-scale", "secagg-masked")
 # destination rank, part, numel, block, nonce (generation u32 || counter u64)
 HEADER = struct.Struct(">2sBBBB16s16sIQIIIHII12s")
 TAG_BYTES = 16
+ZSTD_FRAME_MARGIN = 64
+"""Bytes allowed over ZSTD_COMPRESSBOUND (frame header and checksum, generously)."""
 REKEY_MESSAGES = 1 << 24
 """Messages per key before the sender moves to the next key generation."""
 REKEY_BYTES = 1 << 36
@@ -206,6 +208,15 @@ class Codec:
         self.stats.wire_bytes += len(payload)
         self.stats.encode_seconds += time.perf_counter() - t0
         return payload, decoded
+
+    def max_payload(self, numel: int) -> int:
+        """The most bytes a payload of `numel` values can take under any quantizer (a
+        receiver that accepts several, training.adaptive, gets the widest): the body, zstd's
+        worst-case expansion of it (ZSTD_COMPRESSBOUND), header and tag. A receiver that
+        posts its buffer before it knows the size sizes it by this."""
+        raw = max(_raw_size(q, numel, self.spec.block_size) for q in QUANT)
+        small = (128 * 1024 - raw) >> 11 if raw < 128 * 1024 else 0
+        return HEADER.size + TAG_BYTES + raw + (raw >> 8) + small + ZSTD_FRAME_MARGIN
 
     def quantized(self, x: torch.Tensor, quantize: str | None = None) -> torch.Tensor:
         """The values a receiver would decode from `encode(x, ...)`, without a payload."""

@@ -262,7 +262,8 @@ class HierarchicalAllReduce:
             payloads.append(payload)
             mine.append(dec)
         framed = frame(payloads)
-        blobs = self._all_to_all_bytes([b"" if i == me else framed for i in range(R)])
+        limit = self._limit([m.numel() for m in mine])
+        blobs = self._all_to_all_bytes([b"" if i == me else framed for i in range(R)], [limit] * R)
         got = {i: unframe(blobs[i], len(buckets), peers[i]) for i in range(R) if i != me}
         out = []
         for k, (b, own) in enumerate(zip(buckets, mine, strict=True)):
@@ -311,7 +312,8 @@ class HierarchicalAllReduce:
                 if j == me:
                     own.append(dec)
         sent = [b"" if j == me else frame(p) for j, p in enumerate(to_region)]
-        blobs = self._all_to_all_bytes(sent)
+        limit = self._limit([pc.shape[1] for pc in pieces])  # the same from every region
+        blobs = self._all_to_all_bytes(sent, [limit] * R)
         got = {i: unframe(blobs[i], len(buckets), peers[i]) for i in range(R) if i != me}
         summed = []
         for k, (b, mine) in enumerate(zip(buckets, own, strict=True)):
@@ -376,10 +378,19 @@ class HierarchicalAllReduce:
             return self.adaptive.decode(payload, addr, n)
         return self.codec.decode(payload, addr, n)
 
-    def _all_to_all_bytes(self, payloads: list[bytes]) -> list[bytes]:
+    def _all_to_all_bytes(
+        self, payloads: list[bytes], limits: list[int] | None = None
+    ) -> list[bytes]:
+        """payloads[j] to region j; `limits`: the most bytes each region can send (one
+        round instead of two, training.linkprobe.LinkMonitor.exchange)."""
         if self.links is not None:
-            return self.links.exchange(payloads)
+            return self.links.exchange(payloads, limits)
         return all_to_all_bytes(payloads, self.groups.cross, self.topo.regions)
+
+    def _limit(self, numels: Sequence[int]) -> int:
+        """The most bytes of a frame of payloads of these sizes (values)."""
+        frame_head = FRAME_LEN * len(numels) if len(numels) > 1 else 0
+        return frame_head + sum(self.codec.max_payload(n) for n in numels)
 
 
 @dataclass

@@ -31,8 +31,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from training.errors import TransientReject
 from training.topology import Topology
 
+LENGTH = 8
+"""Bytes of the length that leads a message of a bounded exchange (big-endian)."""
 EWMA_ALPHA = 0.3
 """Weight of a new bandwidth sample (about the last 3 transfers dominate)."""
 MIN_SAMPLE_BYTES = 16 * 1024
@@ -156,9 +159,14 @@ class LinkMonitor:
         return best
 
     # -- during the run ---------------------------------------------------------------
-    def exchange(self, payloads: list[bytes]) -> list[bytes]:
+    def exchange(self, payloads: list[bytes], limits: list[int] | None = None) -> list[bytes]:
         """payloads[j] to region j of the cross group; returns what each region sent to
-        me (b"" from myself), timing every receive into its link's estimate."""
+        me (b"" from myself), timing every receive into its link's estimate. `limits`:
+        the most bytes region i can send me (training.codec.Codec.max_payload), so the
+        exchange takes one round (`_exchange_bounded`) instead of two (the sizes, then
+        the payloads)."""
+        if limits is not None:
+            return self._exchange_bounded(payloads, limits)
         R, me = self.topo.regions, self.topo.region_index
         sizes = torch.tensor([len(p) for p in payloads], dtype=torch.int64)
         got = torch.empty(R, dtype=torch.int64)
@@ -179,6 +187,24 @@ class LinkMonitor:
             s.wait()
         return [bufs[i].numpy().tobytes() if i in bufs else b"" for i in range(R)]
 
+    def _exchange_bounded(self, payloads: list[bytes], limits: list[int]) -> list[bytes]:
+        """One round: each message is its length (LENGTH bytes) then the payload, received
+        into a buffer of the peer's limit (gloo delivers a shorter message into a longer
+        buffer). Over 120-280 ms links the sizes' own round is half an exchange's time."""
+        R, me = self.topo.regions, self.topo.region_index
+        bufs = {i: torch.empty(LENGTH + limits[i], dtype=torch.uint8) for i in range(R) if i != me}
+        t0 = time.perf_counter()
+        recvs = {i: _irecv(b, i, self.group) for i, b in bufs.items()}
+        sends = [_isend(message(p), j, self.group) for j, p in enumerate(payloads) if j != me]
+        out = [b""] * R
+        for i in sorted(recvs, key=lambda i: self.links[i].seconds(limits[i])):
+            recvs[i].wait()
+            out[i] = payload_of(bufs[i], limits[i], self.topo.region_names[i])
+            self.links[i].observe(len(out[i]), time.perf_counter() - t0)
+        for s in sends:
+            s.wait()
+        return out
+
     def report(self) -> list[dict[str, Any]]:
         """Every link as {src, dst, bandwidth (bytes/s), rtt (s), samples}: src is the
         peer region (what this rank times is what it receives)."""
@@ -193,6 +219,27 @@ class LinkMonitor:
             }
             for j, link in sorted(self.links.items())
         ]
+
+
+def message(payload: bytes) -> torch.Tensor:
+    """A bounded exchange's message: the payload's length (LENGTH bytes), then it."""
+    return torch.frombuffer(
+        bytearray(len(payload).to_bytes(LENGTH, "big") + payload), dtype=torch.uint8
+    )
+
+
+def payload_of(buf: torch.Tensor, limit: int, region: str) -> bytes:
+    """The payload of a `message` received into `buf` (LENGTH + limit bytes). The length
+    is not authenticated (the payload is): one over the limit is refused here, and a
+    shorter message than it claims fails at the payload's tag."""
+    raw = buf.numpy()
+    n = int.from_bytes(raw[:LENGTH].tobytes(), "big")
+    if n > limit:
+        raise TransientReject(
+            f"region {region} sent a message of {n} bytes where at most {limit} can come: "
+            "damaged in transit or forged; nothing of it is used"
+        )
+    return raw[LENGTH : LENGTH + n].tobytes()
 
 
 def _irecv(buf: torch.Tensor, src: int, group: Any) -> Any:

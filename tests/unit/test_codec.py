@@ -115,3 +115,17 @@ def test_wrong_key_is_rejected() -> None:
     payload, _ = _codec().encode(torch.randn(1000), ADDR)
     with pytest.raises(TransientReject, match="without this run's key"):
         _codec(key=bytes(32)).decode(payload, ADDR, 1000)
+
+
+@pytest.mark.parametrize("quant", ["none", "fp16", "bf16", "int8", "int4"])
+@pytest.mark.parametrize("n", [1, 63, 64, 4099, 300_000])
+def test_max_payload_bounds_every_quantizer_even_on_incompressible_values(
+    quant: str, n: int
+) -> None:
+    """A receiver posts a buffer of max_payload before it knows the size
+    (training.linkprobe): no payload may be longer, whatever the values."""
+    x = torch.randn(n, generator=torch.Generator().manual_seed(n)) * 1e3  # noise: no gain
+    payload, _ = _codec(quant).encode(x, ADDR)
+    receiver = _codec("int4")  # the bound does not depend on the receiver's own quantizer
+    assert len(payload) <= receiver.max_payload(n)
+    assert receiver.max_payload(n) < 4 * n + 1.01 * 4 * n // 255 + 2048  # and it is tight

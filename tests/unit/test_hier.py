@@ -10,6 +10,7 @@ import torch
 from training.codec import Codec
 from training.errors import PayloadRejected
 from training.hier import HierarchicalAllReduce, HookState, ddp_comm_hook, flat_average
+from training.linkprobe import LENGTH, message, payload_of
 from training.spec import CodecSpec
 from training.testing import make_spec, run_world
 from training.topology import Topology, make_groups
@@ -131,11 +132,13 @@ class _Counting(HierarchicalAllReduce):
     exchanges = 0
     damage = False
 
-    def _all_to_all_bytes(self, payloads: list[bytes]) -> list[bytes]:
+    def _all_to_all_bytes(
+        self, payloads: list[bytes], limits: list[int] | None = None
+    ) -> list[bytes]:
         self.exchanges += 1
         if self.damage:
             payloads = [p[:3] + bytes([p[3] ^ 1]) + p[4:] if p else p for p in payloads]
-        return super()._all_to_all_bytes(payloads)
+        return super()._all_to_all_bytes(payloads, limits)
 
 
 def _counting(rank: int, quant: str) -> _Counting:
@@ -212,3 +215,12 @@ def test_ddp_comm_hook_matches_default_ddp_gradients() -> None:
         assert ((h - p).norm() / p.norm()).item() < 2e-3
     # and the hook really ran: fp16 quantization leaves a (small) trace in every gradient
     assert all(not torch.equal(h, p) for h, p in zip(hooked, plain, strict=True))
+
+
+def test_a_bounded_message_that_claims_more_than_its_limit_is_refused() -> None:
+    good = message(b"payload")
+    assert payload_of(torch.cat([good, torch.zeros(9, dtype=torch.uint8)]), 16, "x") == b"payload"
+    forged = good.clone()
+    forged[:LENGTH] = torch.frombuffer(bytearray((17).to_bytes(LENGTH, "big")), dtype=torch.uint8)
+    with pytest.raises(PayloadRejected, match="region frankfurt sent a message of 17 bytes"):
+        payload_of(torch.cat([forged, torch.zeros(10, dtype=torch.uint8)]), 16, "frankfurt")
