@@ -127,7 +127,7 @@ class HierarchicalAllReduce:
         """`all_reduce` of every flat x (its bucket id: residuals and payload addresses)
         in one sync: the cross-region stages of all of them share one exchange each
         (`coalesced`), so B buckets wait out the WAN's round trips once, not B times.
-        Over 120-280 ms links every exchange costs about two round trips whatever its
+        Over 120-280 ms links every exchange costs at least a round trip whatever its
         size, so this is most of a merge's or a step's sync time there. The results are
         bitwise those of B `all_reduce` calls."""
         if len(xs) != len(buckets) or len(set(buckets)) != len(buckets):
