@@ -181,13 +181,15 @@ class _Misrouting(HierarchicalAllReduce):
     """Rank 3 (region 1, local rank 1) sends region 0's local rank 1 a payload that a peer
     of local rank 0's group addressed to region 0's local rank 0 (2 -> 0)."""
 
-    def _all_to_all_bytes(self, payloads: list[bytes]) -> list[bytes]:
+    def _all_to_all_bytes(
+        self, payloads: list[bytes], limits: list[int] | None = None
+    ) -> list[bytes]:
         if self.topo.rank == 3 and payloads[0]:
             step = int.from_bytes(payloads[0][42:50], "big")
             addr = Address(self.epoch, step, 2, 0, bucket=0, part=0, stage=0)
             n = _header(payloads[0]).numel
             payloads = [self.codec.encode(torch.randn(n), addr)[0], *payloads[1:]]
-        return super()._all_to_all_bytes(payloads)
+        return super()._all_to_all_bytes(payloads, limits)
 
 
 def _misrouted(rank: int, world: int) -> tuple[str, float]:
