@@ -86,7 +86,7 @@ class _InFlight:
     deltas: list[torch.Tensor]
     """This region's pseudo-gradient per bucket (N_b,), as sent."""
     averaged: Future[list[torch.Tensor]]
-    """The cross-region averages, bucket by bucket (done at once when tau is 0)."""
+    """The cross-region averages, one per bucket (done at once when tau is 0)."""
     digest: Digest
 
 
@@ -238,11 +238,11 @@ class DiLoCo:
             digest.update(d)
         if self._background is None:
             fut: Future[list[torch.Tensor]] = Future()
-            fut.set_result(_exchange(self.sync, deltas, bs, step))
+            fut.set_result(self.sync.all_reduce_many(deltas, step, bs))
         else:
             assert self.stream is not None  # checked in __init__
             stream = self.stream
-            fut = self._background.submit(lambda: _exchange(stream, deltas, bs, step))
+            fut = self._background.submit(lambda: stream.all_reduce_many(deltas, step, bs))
         self._flight.append(_InFlight(f, step + self.spec.tau, deltas, fut, digest))
 
     def _delta(self, b: int) -> torch.Tensor:
@@ -282,8 +282,8 @@ class DiLoCo:
         return m.digest
 
     def merge(self, step: int, digest: Digest | None = None) -> None:
-        """Average (global - local) across regions, one bucket at a time through the sync,
-        step the outer optimizer on it, and set every local parameter to the new global."""
+        """Average (global - local) across regions, every bucket in one sync, step the
+        outer optimizer on it, and set every local parameter to the new global."""
         bs = range(len(self.buckets))
         deltas = [self._delta(b) for b in bs]
         if digest is not None:
@@ -416,14 +416,6 @@ def split_fragments(sizes: Sequence[int], spec: DilocoSpec) -> list[range]:
             start = i + 1
     out.append(range(start, len(sizes)))
     return out
-
-
-def _exchange(
-    sync: Reducer, deltas: list[torch.Tensor], buckets: list[int], step: int
-) -> list[torch.Tensor]:
-    """Average each bucket's pseudo-gradient across regions (on the loop's or the stream's
-    thread); bucket ids address the payloads, as in the blocking merge."""
-    return sync.all_reduce_many(deltas, step, buckets)
 
 
 def _split(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:

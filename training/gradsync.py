@@ -1,6 +1,6 @@
 """Gradient and weight synchronisation of one step: per-step hierarchical all-reduce
 (training.hier), the region-only average of DiLoCo's inner steps, and the periodic merge
-(training.diloco), bucket by bucket."""
+(training.diloco); the buckets of a sync share its cross-region exchanges."""
 
 from __future__ import annotations
 

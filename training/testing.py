@@ -4,6 +4,7 @@ results returned."""
 
 from __future__ import annotations
 
+import abc
 import os
 import pickle
 import time
@@ -176,17 +177,18 @@ def join_lab_world(spec_path: str, rank: int, timeout_s: float) -> tuple[LaunchS
     return spec, Topology.of(spec, rank)
 
 
-class PerBucket:
+class PerBucket(abc.ABC):
     """A DiLoCo reducer (training.diloco.Reducer) made of a per-bucket `all_reduce`: test
     doubles that fix, gate or fail one bucket's average define only that."""
 
+    @abc.abstractmethod
     def all_reduce(self, x: torch.Tensor, step: int, bucket: int = 0) -> torch.Tensor:
-        raise NotImplementedError
+        """One bucket's cross-region average."""
 
     def all_reduce_many(
         self, xs: Sequence[torch.Tensor], step: int, buckets: Sequence[int]
     ) -> list[torch.Tensor]:
         return [self.all_reduce(x, step, b) for x, b in zip(xs, buckets, strict=True)]
 
-    def clear_residuals(self) -> None:
-        pass
+    def clear_residuals(self) -> None:  # a double keeps no residuals
+        return None
