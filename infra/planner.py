@@ -173,11 +173,11 @@ def active_parameters(config: object) -> float:
 
 
 def _bits(quantize: str) -> int:
-    return {"none": 32, "fp16": 16, "bf16": 16, "int8": 8, "int4": 4}[quantize]
+    return {"none": 32, "fp16": 16, "bf16": 16, "int8": 8, "int4": 4, "ternary": 2}[quantize]
 
 
 def _codec(bits: int) -> str:
-    return {32: "fp32", 16: "fp16", 8: "int8", 4: "int4"}[bits]
+    return {32: "fp32", 16: "fp16", 8: "int8", 4: "int4", 2: "ternary"}[bits]
 
 
 def _check(i: Inputs) -> None:

@@ -29,6 +29,15 @@ Quantizers work on a flat fp32 tensor (N,):
   redundancy (exponent bytes repeat; raw fp16 saves only ~8% under zstd).
 - int8: blockwise absmax, q = round(x / (absmax / 127)), fp32 scale per block.
 - int4: blockwise absmax with 7 levels each side, two values packed per byte.
+- ternary: per block, values with |x| above TERNARY_THRESHOLD x the block's mean |x| become
+  +-s, the rest 0, where s is the mean |x| of those kept (the least-squares scale for that
+  sign pattern; as Li et al. 2016's ternary weight networks); 2-bit codes, four per byte.
+  About a third of Gaussian values are kept, and zstd takes the codes to ~1.4 bits per
+  value (~1.56 with the fp32 scale of each 256 values). Meant for DiLoCo's pseudo-
+  gradients with error feedback, which carries what a round drops into the next: a merge
+  then sends about half of int4's bytes, so H=50 merges move 1/1000 of a per-step fp32
+  all-reduce, at a loss cost (benchmarks/results/diloco_parity.md). A gradient every step
+  is better served by int8 or int4.
 """
 
 from __future__ import annotations
@@ -50,7 +59,7 @@ from training.errors import HostileReject, PayloadRejected, SpecError, Transient
 from training.session import Session, derive, link_info
 from training.spec import CodecSpec
 
-QUANT = {"none": 0, "fp16": 1, "bf16": 2, "int8": 3, "int4": 4}
+QUANT = {"none": 0, "fp16": 1, "bf16": 2, "int8": 3, "int4": 4, "ternary": 5}
 CIPHERS = {"none": 0, "sm4-gcm": 1, "aes-gcm": 2}
 KEY_BYTES = {"none": 32, "sm4-gcm": 16, "aes-gcm": 32}
 """HMAC-SHA256 key for `none`."""
@@ -71,6 +80,9 @@ REKEY_BYTES = 1 << 36
 """Bytes per key (2^32 AES/SM4 blocks) before the next generation."""
 KEY_CACHE = 4096
 """Derived keys a codec keeps (links x stages x live generations)."""
+TERNARY_THRESHOLD = 1.25
+"""ternary keeps the values above this multiple of their block's mean |x| (for Gaussian
+values: above one standard deviation)."""
 
 
 @dataclass(frozen=True)
@@ -308,6 +320,11 @@ class Codec:
                 "transit, or forged without this run's key); not applied"
             )
         raw = self._decompress(body, numel, expect, quant)
+        if quant == "ternary" and _bad_ternary(raw, numel, self.spec.block_size):
+            raise HostileReject(
+                f"{_where(expect)}: authentic ternary body holds code 3, which no encoder "
+                "writes; not applied"
+            )
         return _dequantize(_unshuffle(raw, _itemsize(quant)), quant, numel, self.spec.block_size)
 
     def _decompress(self, body: bytes, numel: int, expect: Address, quant: str) -> bytes:
@@ -460,12 +477,12 @@ def _raw_size(quant: str, n: int, block: int) -> int:
     if quant in ("none", "fp16", "bf16"):
         return n * _itemsize(quant)
     nb = -(-n // block)
-    values = nb * block if quant == "int8" else -(-(nb * block) // 2)
-    return 4 * nb + values
+    per_byte = {"int8": 1, "int4": 2, "ternary": 4}[quant]
+    return 4 * nb + -(-(nb * block) // per_byte)
 
 
 def _itemsize(quant: str) -> int:
-    return {"none": 4, "fp16": 2, "bf16": 2, "int8": 1, "int4": 1}[quant]
+    return {"none": 4, "fp16": 2, "bf16": 2, "int8": 1, "int4": 1, "ternary": 1}[quant]
 
 
 def _shuffle(data: bytes, itemsize: int) -> bytes:
@@ -499,6 +516,8 @@ def _quantize(x: torch.Tensor, quant: str, block: int) -> tuple[bytes, torch.Ten
     if quant in ("fp16", "bf16"):
         h = x.to(torch.float16 if quant == "fp16" else torch.bfloat16)
         return h.view(torch.int16).numpy().tobytes(), h.float()
+    if quant == "ternary":
+        return _ternary(x, block)
     levels = 127 if quant == "int8" else 7
     b = _blocks(x, block)  # (nb, block)
     scale = b.abs().amax(dim=1, keepdim=True) / levels  # (nb, 1)
@@ -515,6 +534,27 @@ def _quantize(x: torch.Tensor, quant: str, block: int) -> tuple[bytes, torch.Ten
     return scale.view(-1).numpy().tobytes() + data, decoded
 
 
+def _ternary(x: torch.Tensor, block: int) -> tuple[bytes, torch.Tensor]:
+    b = _blocks(x, block)  # (nb, block)
+    a = b.abs()
+    keep = a > TERNARY_THRESHOLD * a.mean(dim=1, keepdim=True)
+    kept = keep.sum(dim=1, keepdim=True)
+    scale = (a * keep).sum(dim=1, keepdim=True) / kept.clamp(min=1)  # 0 where none kept
+    q = torch.sign(b) * keep  # -1, 0, 1
+    decoded = (q * scale).view(-1)[: x.numel()]
+    u = (q + 1).to(torch.uint8).view(-1)  # codes 0, 1, 2
+    u = torch.nn.functional.pad(u, (0, (-u.numel()) % 4)).view(-1, 4)
+    data = u[:, 0] | (u[:, 1] << 2) | (u[:, 2] << 4) | (u[:, 3] << 6)
+    return scale.view(-1).numpy().tobytes() + data.numpy().tobytes(), decoded
+
+
+def _bad_ternary(raw: bytes, n: int, block: int) -> bool:
+    """Whether a ternary body holds the unused code 3 (both bits of a pair set)."""
+    nb = -(-n // block)
+    body = torch.frombuffer(bytearray(raw), dtype=torch.uint8)[4 * nb :]
+    return bool(((body & (body >> 1) & 0x55) != 0).any())
+
+
 def _dequantize(raw: bytes, quant: str, n: int, block: int) -> torch.Tensor:
     """`raw` is exactly _raw_size(quant, n, block) bytes (checked by the caller)."""
     buf = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
@@ -527,6 +567,9 @@ def _dequantize(raw: bytes, quant: str, n: int, block: int) -> torch.Tensor:
     body = buf[4 * nb :]
     if quant == "int8":
         q = body.view(torch.int8).float().view(nb, block)
+    elif quant == "ternary":
+        codes = torch.stack([(body >> s) & 3 for s in (0, 2, 4, 6)], dim=1).view(-1)
+        q = (codes[: nb * block].to(torch.int8) - 1).float().view(nb, block)
     else:
         lo = (body & 0x0F).to(torch.int16)
         hi = (body >> 4).to(torch.int16)

@@ -26,7 +26,7 @@ from training import metric_names as mn
 from training.errors import GeotrainError
 
 LABELS = ("region", "node", "rank")
-BYTES_PER_VALUE = {"none": 4.0, "fp16": 2.0, "bf16": 2.0, "int8": 1.0, "int4": 0.5}
+BYTES_PER_VALUE = {"none": 4.0, "fp16": 2.0, "bf16": 2.0, "int8": 1.0, "int4": 0.5, "ternary": 0.25}
 """Bytes per value of each quantizer before zstd (the adaptive codec's gauge)."""
 
 

@@ -38,7 +38,7 @@ NonNegative = Annotated[int, Field(ge=0)]
 Positive = Annotated[float, Field(gt=0)]
 Port = Annotated[int, Field(ge=0, le=65535)]
 Device = Literal["cuda", "cpu"]
-Quantize = Literal["none", "fp16", "bf16", "int8", "int4"]
+Quantize = Literal["none", "fp16", "bf16", "int8", "int4", "ternary"]
 Cipher = Literal["sm4-gcm", "aes-gcm", "none"]
 SyncMode = Literal["allreduce", "diloco"]
 DriftCorrection = Literal["none", "scaffold"]
@@ -100,7 +100,7 @@ class RegionSpec:
     """Record-level differential privacy of the region's updates (None: off)."""
 
 
-QUANTIZERS = ("none", "fp16", "bf16", "int8", "int4")
+QUANTIZERS = ("none", "fp16", "bf16", "int8", "int4", "ternary")
 """Quantizers of the codec, most precise first (training.codec.QUANT)."""
 
 
@@ -153,9 +153,9 @@ def adaptive_problems(a: Any) -> list[tuple[str, str]]:
 @dataclass(frozen=True, config=_STRICT)
 class CodecSpec:
     quantize: Quantize = "int8"
-    """none | fp16 | bf16 | int8 | int4."""
+    """none | fp16 | bf16 | int8 | int4 | ternary (training.codec)."""
     block_size: Count = 256
-    """Elements per scale block (int8/int4)."""
+    """Elements per scale block (int8, int4, ternary)."""
     error_feedback: bool = True
     """Keep the quantization residual per bucket."""
     zstd_level: Annotated[int, Field(ge=-7, le=22)] = 1

@@ -18,7 +18,7 @@ NAME_PATTERN = r"^[a-z][a-z0-9-]{0,30}[a-z0-9]$"
 Jurisdiction = Literal["CN", "EU", "US", "UK", "JP", "KR", "SG", "IN", "CA", "AU", "BR", "CH"]
 PoolKind = Literal["local", "lab", "ssh", "kubernetes", "aws", "alicloud", "gcp"]
 SyncMode = Literal["allreduce", "diloco"]
-Quantize = Literal["none", "fp16", "bf16", "int8", "int4"]
+Quantize = Literal["none", "fp16", "bf16", "int8", "int4", "ternary"]
 Cipher = Literal["sm4-gcm", "aes-gcm", "none"]
 _CN: Jurisdiction = "CN"
 
@@ -271,7 +271,7 @@ class Compression(Strict):
     quantize: Quantize = "int8"
     """Quantization of cross-region payloads."""
     block_size: int = Field(default=256, ge=16, le=65536)
-    """Elements per absmax scale block for int8/int4."""
+    """Elements per scale block for int8, int4 and ternary."""
     error_feedback: bool = True
     """Carry the quantization residual into the next step."""
     zstd_level: int = Field(default=1, ge=-7, le=22)

@@ -25,7 +25,14 @@ def _codec(
 
 @pytest.mark.parametrize(
     ("quant", "bound"),
-    [("none", 0.0), ("fp16", 1e-3), ("bf16", 8e-3), ("int8", 1.5e-2), ("int4", 0.2)],
+    [
+        ("none", 0.0),
+        ("fp16", 1e-3),
+        ("bf16", 8e-3),
+        ("int8", 1.5e-2),
+        ("int4", 0.2),
+        ("ternary", 0.6),
+    ],
 )
 @pytest.mark.parametrize("cipher", ["sm4-gcm", "aes-gcm", "none"])
 def test_round_trip_error_is_within_the_stated_bound(quant: str, bound: float, cipher: str) -> None:
@@ -43,6 +50,60 @@ def test_int4_packs_two_values_per_byte_and_compresses() -> None:
     payload, _ = _codec("int4").encode(x, ADDR)
     # 4 bits/value + one fp32 scale per 64 values = 0.5625 bytes/value before zstd
     assert len(payload) < 0.6 * x.numel()
+
+
+def test_ternary_sends_under_two_bits_per_value_with_the_least_squares_scale() -> None:
+    x = torch.randn(65_536, generator=torch.Generator().manual_seed(2))
+    c = Codec(CodecSpec(quantize="ternary", block_size=256), KEY, SESSION)
+    payload, sent = c.encode(x, ADDR)
+    # 2-bit codes + a scale per 256 values = 2.125 bits before zstd; most codes are 0
+    assert 8 * len(payload) / x.numel() < 1.75
+    levels = sent.view(-1, 256).abs()
+    assert all(len(set(row.tolist()) - {0.0}) == 1 for row in levels)  # 0 and one +-s
+    # s minimises |x - s q| for the sign pattern q: the error is orthogonal to the levels
+    err = ((x - sent).view(-1, 256) * sent.view(-1, 256)).sum(dim=1)
+    assert err.abs().max().item() < 1e-3
+
+
+def test_ternary_handles_blocks_and_lengths_off_the_four_value_packing() -> None:
+    c = Codec(CodecSpec(quantize="ternary", block_size=6), KEY, SESSION)
+    for n in (1, 5, 7, 13):
+        x = torch.randn(n, generator=torch.Generator().manual_seed(n))
+        payload, sent = c.encode(x, ADDR)
+        assert torch.equal(c.decode(payload, ADDR, n), sent)
+
+
+def test_ternary_with_error_feedback_sends_everything_over_rounds() -> None:
+    """A round drops most of a value; the residual carries it into the next, so what the
+    rounds deliver tracks what was meant, within one residual (which stays bounded)."""
+    c = _codec("ternary")
+    x = torch.randn(4096, generator=torch.Generator().manual_seed(3))
+    residual, delivered, sizes = torch.zeros_like(x), torch.zeros_like(x), []
+    for _ in range(200):
+        payload, sent = c.encode(x + residual, ADDR)
+        residual = x + residual - sent
+        delivered += c.decode(payload, ADDR, x.numel())
+        sizes.append((residual.norm() / x.norm()).item())
+    assert torch.allclose(delivered + residual, 200 * x, atol=1e-3)
+    assert max(sizes) < 3.0 and sizes[-1] < 1.05 * sizes[99]  # levels off (~2.1 here)
+    assert ((delivered / 200 - x).norm() / x.norm()).item() < 0.02
+
+
+def test_an_authentic_ternary_body_with_the_unused_code_is_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Code 3 is no value: a key holder that sends it misbehaves (HostileReject)."""
+    import training.codec as codec
+
+    def code3(x: torch.Tensor, block: int) -> tuple[bytes, torch.Tensor]:
+        nb = -(-x.numel() // block)
+        return bytes(4 * nb) + b"\xff" * (-(-(nb * block) // 4)), x
+
+    c = _codec("ternary")
+    monkeypatch.setattr(codec, "_ternary", code3)
+    payload, _ = c.encode(torch.randn(100), ADDR)
+    with pytest.raises(HostileReject, match="code 3"):
+        c.decode(payload, ADDR, 100)
 
 
 def test_ciphertext_hides_the_plaintext() -> None:
@@ -117,7 +178,7 @@ def test_wrong_key_is_rejected() -> None:
         _codec(key=bytes(32)).decode(payload, ADDR, 1000)
 
 
-@pytest.mark.parametrize("quant", ["none", "fp16", "bf16", "int8", "int4"])
+@pytest.mark.parametrize("quant", ["none", "fp16", "bf16", "int8", "int4", "ternary"])
 @pytest.mark.parametrize("n", [1, 63, 64, 4099, 300_000])
 def test_max_payload_bounds_every_quantizer_even_on_incompressible_values(
     quant: str, n: int
