@@ -104,7 +104,7 @@ class Run:
     sync: str = "diloco"
     """allreduce | diloco."""
     quant: str = "int4"
-    """Cross-region codec: int8 | int4."""
+    """Cross-region codec: int8 | int4 | ternary."""
     h: int = 50
     """Inner steps between merges."""
     warmup: int = 0
@@ -195,6 +195,14 @@ def runs() -> list[Run]:
         # a smaller H early on, when the replicas drift fastest: 10, 20, 40, then 50
         replace(avg, name="H=10->50 int4, averaging", h_start=10),
         replace(sc, name="H=10->50 int4, averaging, scaffold", h_start=10),
+    ]
+    # the bytes target: ternary pseudo-gradients (~1.5 bits per value after zstd), their
+    # error feedback carrying what a merge drops into the next
+    out += [
+        replace(base, name="diloco H=50 ternary", quant="ternary"),
+        replace(avg, name="H=50 ternary, averaging", quant="ternary"),
+        replace(sc, name="H=50 ternary, averaging, scaffold", quant="ternary"),
+        replace(sc, name="H=10->50 ternary, averaging, scaffold", quant="ternary", h_start=10),
     ]
     return out
 
@@ -414,6 +422,18 @@ BOUGHT = (
         "H=10->50 int4, averaging",
         "H=10->50 int4, averaging, scaffold",
     ),
+    ("int4 -> ternary pseudo-gradients (H=50)", "diloco H=50 int4", "diloco H=50 ternary"),
+    ("averaging: int4 -> ternary", AVG + " lr 1 (averaging)", "H=50 ternary, averaging"),
+    (
+        "averaging + scaffold: int4 -> ternary",
+        "H=50 int4, averaging, scaffold",
+        "H=50 ternary, averaging, scaffold",
+    ),
+    (
+        "growing H + scaffold: int4 -> ternary",
+        "H=10->50 int4, averaging, scaffold",
+        "H=10->50 ternary, averaging, scaffold",
+    ),
 )
 """(technique, the row without it, the row with it): the eval-gap change it bought."""
 
@@ -519,6 +539,11 @@ SPREAD = (
         "scaffold (H=50, averaging, warm-up 100)",
         "H=50 int4, averaging, warm-up 100",
         "H=50 int4, averaging, scaffold, warm-up 100",
+    ),
+    (
+        "int4 -> ternary (H=50, averaging)",
+        "H=50 int4, outer SGD lr 1 (averaging)",
+        "H=50 ternary, averaging",
     ),
 )
 """(technique, the row without it, the row with it) compared seed by seed."""
