@@ -149,7 +149,15 @@ def run_mode(
         control = [v for k, v in inside.items() if k % CONTROL_EVERY == 0]
         split["other_control"].append(statistics.mean(control) if control else float("nan"))
     wall_s = max(e["t"] for e in steps_ev) - min(e["t"] - e["step_s"] for e in steps_ev)
+    # streaming: each landed fragment's exchange on its background thread, against the
+    # tau steps it had (tau x the median step's wall time)
+    exchanges = sorted(x for e in steps_ev for x in e.get("exchange_s", ()))
+    tau = int(settings.get("diloco", {}).get("tau", 0))
+    step_s = statistics.median(e["step_s"] for e in steps_ev)
     out: dict[str, Any] = {
+        "exchange": (
+            (statistics.median(exchanges), exchanges[-1], tau * step_s) if exchanges else None
+        ),
         "utilisation": statistics.median(util.values()),
         "steady": statistics.median(steady.values()),
         "per_region": util,
@@ -183,21 +191,22 @@ def table(results: dict[str, dict[str, Any]]) -> list[str]:
     lines = [
         "| mode | utilisation | without the last step | per region | compute per step (s) | "
         "sync per step (s) | other per step (s) | wall per step (s) | "
-        "cross-region MB per step |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "cross-region MB per step | fragment exchange (s): median, max; tau steps (s) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, r in results.items():
         if "skipped" in r:
-            lines.append(f"| {name} | not run: {r['skipped']} | | | | | | | |")
+            lines.append(f"| {name} | not run: {r['skipped']} | | | | | | | | |")
             continue
         per = ", ".join(f"{k} {v:.0%}" for k, v in r["per_region"].items())
+        ex = "-" if r["exchange"] is None else "{:.2f}, {:.2f}; {:.2f}".format(*r["exchange"])
         lines.append(
             f"| {name} | {r['utilisation']:.0%} | {r['steady']:.0%} | {per} | "
             f"{r['compute_s']:.3f} | "
             f"{r['sync_s']:.3f} | {r['other_s']:.3f} (median {r['other_median_s']:.3f}, "
             f"every {CONTROL_EVERY}th {r['other_control_s']:.3f}, "
             f"between steps {r['between_s']:.3f}) | "
-            f"{r['wall_s'] / r['steps']:.2f} | {r['cross_mb'] / r['steps']:.2f} |"
+            f"{r['wall_s'] / r['steps']:.2f} | {r['cross_mb'] / r['steps']:.2f} | {ex} |"
         )
     return lines
 

@@ -48,7 +48,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -88,6 +88,8 @@ class _InFlight:
     averaged: Future[list[torch.Tensor]]
     """The cross-region averages, one per bucket (done at once when tau is 0)."""
     digest: Digest
+    seconds: list[float] = field(default_factory=list)
+    """The background exchange's own duration, set before `averaged` is (tau > 0)."""
 
 
 class DiLoCo:
@@ -129,6 +131,12 @@ class DiLoCo:
         """Seconds the loop waited at landings for exchanges that outlasted tau steps: a
         stall of the cross-region sync (the step reports it as sync time), unlike the
         exchange's own seconds, which overlap compute."""
+        self.exchange_s: list[float] = []
+        """Streaming: each fragment's exchange, in seconds from its start on the background
+        thread to its end, in landing order since the loop last took them
+        (`take_exchange_s`). Against tau steps of wall time it says how much slack tau
+        leaves (an exchange queued behind another starts late: its wait shows in
+        waited_s, not here)."""
         self.scaffold = spec.drift_correction == "scaffold"
         if self.scaffold and spec.streaming:  # DilocoSpec refuses it; a hand-built spec too
             raise SpecError(SCAFFOLD_STREAMING)
@@ -221,6 +229,11 @@ class DiLoCo:
             done.append(self._land(self._flight.pop(0)))
         return done
 
+    def take_exchange_s(self) -> list[float]:
+        """The exchange times of the fragments landed since the last call (then cleared)."""
+        out, self.exchange_s = self.exchange_s, []
+        return out
+
     def settle(self) -> list[Digest]:
         """Land every merge in flight now (before a checkpoint: nothing may be in flight,
         and the exchange thread must not touch the residuals being saved)."""
@@ -236,14 +249,22 @@ class DiLoCo:
         deltas = [self._delta(b) for b in bs]
         for d in deltas:
             digest.update(d)
+        seconds: list[float] = []
         if self._background is None:
             fut: Future[list[torch.Tensor]] = Future()
             fut.set_result(self.sync.all_reduce_many(deltas, step, bs))
         else:
             assert self.stream is not None  # checked in __init__
             stream = self.stream
-            fut = self._background.submit(lambda: stream.all_reduce_many(deltas, step, bs))
-        self._flight.append(_InFlight(f, step + self.spec.tau, deltas, fut, digest))
+
+            def exchange() -> list[torch.Tensor]:
+                t0 = time.perf_counter()
+                out = stream.all_reduce_many(deltas, step, bs)
+                seconds.append(time.perf_counter() - t0)
+                return out
+
+            fut = self._background.submit(exchange)
+        self._flight.append(_InFlight(f, step + self.spec.tau, deltas, fut, digest, seconds))
 
     def _delta(self, b: int) -> torch.Tensor:
         lo, hi = self._first[b], self._first[b + 1]
@@ -260,6 +281,7 @@ class DiLoCo:
         t0 = time.perf_counter()
         averaged = m.averaged.result()  # waits only if the exchange outlasted tau steps
         self.waited_s += time.perf_counter() - t0
+        self.exchange_s += m.seconds
         bs = list(self.fragments[m.fragment])
         lo, hi = self._first[bs[0]], self._first[bs[-1] + 1]
         gl, ps = self.global_params[lo:hi], self.params[lo:hi]

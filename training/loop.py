@@ -162,11 +162,20 @@ def report(
     if st.cross_wire_bytes:
         m.ratio.set(st.cross_raw_bytes / st.cross_wire_bytes)
     m.tick()
+    exchanges = job.diloco.take_exchange_s() if job.diloco is not None else []  # every rank
     if job.leader:
-        warmed = job.diloco is not None and job.step == job.spec.diloco.warmup_steps
-        extra: dict[str, Any] = {"digest": params_digest(job.model)} if merged or warmed else {}
+        d = job.diloco
+        warmed = d is not None and job.step == job.spec.diloco.warmup_steps
+        late = d is not None and d.spec.streaming and job.step < job.spec.steps
+        # the weights' digest where every region holds the same ones (tests check it; it
+        # costs ~4 ms per million parameters on the loop): not where a streaming merge
+        # lands, when the other fragments are still each region's own
+        whole = merged and not late
+        extra: dict[str, Any] = {"digest": params_digest(job.model)} if whole or warmed else {}
         if job.privacy is not None:
             extra.update(privacy_spent(job))
+        if exchanges:
+            extra["exchange_s"] = exchanges
         job.emit(
             "step",
             step=job.step,
@@ -232,6 +241,7 @@ def run(
         regions=len(spec.regions),
         sync=spec.sync,
         warmup=spec.diloco.warmup_steps if spec.sync == "diloco" else 0,
+        tau=spec.diloco.tau if spec.sync == "diloco" else 0,
         epoch=session.epoch,
         session=session.id.hex()[:16],
         **json.loads(os.environ.get("GEOTRAIN_TORCHRUN", "{}")),

@@ -175,6 +175,10 @@ def test_a_landing_that_waits_for_its_exchange_counts_the_wait_as_a_stall() -> N
     time.sleep(0.6)  # tau steps longer than the exchange: no wait
     d.advance(8, 20, _Hash)
     assert d.waited_s - waited < 0.1
+    # both exchanges' own time is known, however long the loop waited for them
+    took = d.take_exchange_s()
+    assert len(took) == 2 and all(0.35 < s < 5 for s in took)
+    assert d.take_exchange_s() == []
 
 
 def _local_step(p: torch.nn.Parameter, by: float) -> None:

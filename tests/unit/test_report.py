@@ -117,3 +117,20 @@ def test_report_gives_compute_utilisation_as_compute_over_step_time(tmp_path: Pa
     assert r["compute_share"] == pytest.approx(0.6)
     line = next(ln for ln in format_report(r).splitlines() if "compute utilisation" in ln)
     assert "60%" in line
+
+
+def test_report_sets_streaming_exchange_times_against_tau(tmp_path: Path) -> None:
+    """A streaming run's step events carry each landed fragment's background exchange
+    time; the report gives their median and max next to tau steps of wall time."""
+    events = _events("diloco", 12, 0)
+    events[0]["tau"] = 3
+    exchanges = iter([[0.5], [2.5], [1.0, 1.5]])
+    for e in events:
+        if e["event"] == "step" and e.get("merged"):
+            e["exchange_s"] = next(exchanges, [])
+    path = tmp_path / "events.jsonl"
+    _write(path, events)
+    text = format_report(summarize(EventLog(path), 12))
+    want = "4 landed (all regions), exchange median 1.25 s, max 2.50 s; tau 3 steps is 3.00 s"
+    assert f"{'fragment exchanges':24}{want} of median steps" in text.splitlines(), text
+    assert "fragment exchanges" not in format_report(summarize(_log(tmp_path, "diloco"), 12))
