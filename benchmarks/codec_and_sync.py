@@ -1,9 +1,10 @@
-"""Issue 3 benchmark: the demo model trained with the same seed and steps under six sync
+"""Issue 3 benchmark: the demo model trained with the same seed and steps under seven sync
 methods, side by side in one run, on a real 3-region x 2-rank gloo world on this machine.
 
   (a) fp32 flat all-reduce (DDP default)   (b) torch fp16_compress_hook
   (c) torch PowerSGD hook (rank 4)         (d) geotrain fp16 + zstd + SM4-GCM
   (e) geotrain int8 + zstd + SM4-GCM       (f) geotrain int4 + zstd + SM4-GCM
+  (g) geotrain ternary + zstd + SM4-GCM (meant for DiLoCo merges; here every step)
 
 Cross-region bytes: geotrain counts the encoded payloads it sends. DDP's hooks do flat
 all-reduces over every rank; for them we count the bytes each hook hands to all_reduce
@@ -55,6 +56,7 @@ METHODS = [
     "geotrain-fp16",
     "geotrain-int8",
     "geotrain-int4",
+    "geotrain-ternary",
 ]
 RESULTS = Path(__file__).parent / "results"
 
@@ -131,6 +133,8 @@ def _ddp_loss(net: Any, tokens: torch.Tensor) -> torch.Tensor:
 
 
 QUANTS = ("fp16", "int8", "int4")
+NEW = ("ternary",)
+"""Quantizers the issue #15 baseline codec does not have: timed now only."""
 SMALL = 256
 """Values in the small payload whose fixed cost per payload (headers, keys, checks) the
 codec benchmark also times, in microseconds (the `small` entry)."""
@@ -178,8 +182,8 @@ def codec_throughput(
     small = torch.randn(SMALL) * 1e-3
     best: dict[str, dict[str, tuple[float, float, int]]] = {v: {} for v in makers}
     for r in range(rounds):
-        for q in (*QUANTS, "small"):
-            order = list(makers.items())
+        for q in (*QUANTS, *NEW, "small"):
+            order = [(v, m) for v, m in makers.items() if v == "after" or q not in NEW]
             for v, make in order if r % 2 else reversed(order):  # no version always second
                 _, enc, dec = make("int8" if q == "small" else q)
                 e, d, n = _time(enc, dec, small, 300) if q == "small" else _time(enc, dec, x)
@@ -223,7 +227,7 @@ def codec_lines(rev: str | None) -> list[str]:
         "1 Gbit/s |",
         "|---|---|---|---|---|",
     ]
-    for q in QUANTS:
+    for q in (*QUANTS, *NEW):
         enc, wire, dec = got["after"][q]
         lines.append(f"| {q} | {enc:.0f} | {wire:.0f} | {dec:.0f} | {125 / wire:.1f} |")
     lines += [

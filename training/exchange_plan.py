@@ -50,7 +50,7 @@ GRID_UNITS = 24
 """About this many weight units in all (rounded to a multiple of R: equal pieces fit)."""
 DEFAULT_SPEED = 200e6
 """fp32 bytes/s of an encode or decode before any is measured."""
-WIRE_RATIO = {"none": 1.0, "fp16": 0.5, "bf16": 0.5, "int8": 0.27, "int4": 0.14, "ternary": 0.06}
+WIRE_RATIO = {"none": 1.0, "fp16": 0.5, "bf16": 0.5, "int8": 0.27, "int4": 0.14, "ternary": 0.05}
 """Wire bytes per fp32 byte before any is measured (zstd on top of the quantizer)."""
 
 

@@ -165,6 +165,33 @@ def test_region_without_a_shard_is_a_clear_error(tmp_path: Path) -> None:
     assert "silicon-valley has no data shard" in r.stderr, r.stderr
 
 
+def test_streaming_ternary_merges_report_their_exchanges_and_end_as_one_model(
+    tmp_path: Path,
+) -> None:
+    """quantize: ternary through the whole path (stack, launch spec, worker, codec) with
+    streaming fragments: each landing's exchange time reaches the step events and the
+    report, and only the last step (every fragment merged) carries the weights' digest,
+    the same in every region."""
+    stack = small_stack(
+        tmp_path,
+        "st",
+        sync="diloco",
+        steps=9,
+        compression={"quantize": "ternary"},
+        diloco={"inner_steps": 4, "fragments": 2, "tau": 1},
+        checkpoint={"interval_steps": 9, "keep": 1},
+    )
+    r = geotrain("train", "--stack", str(stack), cwd=tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "fragment exchanges" in r.stdout and "tau 1 steps is" in r.stdout, r.stdout
+    steps = [e for e in events(tmp_path / ".geotrain/st") if e["event"] == "step"]
+    landed = [x for e in steps for x in e.get("exchange_s", ())]
+    assert len(landed) >= 3 and all(x > 0 for x in landed), landed  # per region leader
+    digests = {e["step"]: e["digest"] for e in steps if "digest" in e}
+    assert set(digests) == {9}, digests
+    assert len({e["digest"] for e in steps if "digest" in e}) == 1
+
+
 def test_diloco_regions_hold_identical_weights_after_every_merge(tmp_path: Path) -> None:
     stack = small_stack(tmp_path, "dl", sync="diloco", steps=9, diloco={"inner_steps": 3})
     r = geotrain("train", "--stack", str(stack), cwd=tmp_path)
