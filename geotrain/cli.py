@@ -33,11 +33,16 @@ def validate(stack: str) -> None:
         f"{m.stack}: ok - {len(plan.regions)} regions, {len(plan.nodes)} nodes, "
         f"{gpus} workers, {len(plan.tunnels)} links, run {plan.run_id}"
     )
-    if m.training.sync == "diloco":
+    from training.codec import quantize_hint
+
+    t = m.training
+    hints = [quantize_hint(t.compression.quantize, t.sync, t.diloco.drift_correction)]
+    if t.sync == "diloco":
         from training.diloco import outer_hint
 
-        d = m.training.diloco
-        hint = outer_hint(len(plan.regions), d.outer_lr, d.outer_momentum)
+        d = t.diloco
+        hints.append(outer_hint(len(plan.regions), d.outer_lr, d.outer_momentum))
+    for hint in hints:
         if hint:
             click.echo(hint)
 

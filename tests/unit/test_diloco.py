@@ -301,3 +301,23 @@ def test_stack_growing_h_renders_and_an_inverted_one_is_a_one_line_error(write_s
     )
     assert r.exit_code == 2 and "training.diloco.inner_steps_start" in r.output, r.output
     assert "must be <= inner_steps (5)" in r.output
+
+
+def test_validate_hints_at_ternary_where_it_was_measured_to_cost(write_stack: Any) -> None:
+    def stack(sync: str, drift: str) -> Any:
+        def mutate(c: dict[str, Any]) -> None:
+            t = c["geotrain:training"]
+            t["sync"] = sync
+            t["compression"]["quantize"] = "ternary"
+            t["diloco"] = {"inner_steps": 5, "outer_lr": 0.6, "drift_correction": drift}
+
+        return write_stack("local", mutate, name=f"t-{sync}-{drift}")
+
+    out = {
+        (s, d): CliRunner().invoke(cli, ["validate", "--stack", str(stack(s, d))])
+        for s, d in (("allreduce", "none"), ("diloco", "none"), ("diloco", "scaffold"))
+    }
+    assert all(r.exit_code == 0 for r in out.values()), {k: r.output for k, r in out.items()}
+    assert "meant for sync: diloco merges" in out[("allreduce", "none")].output
+    assert "hint" not in out[("diloco", "none")].output, out[("diloco", "none")].output
+    assert "use int4 with scaffold" in out[("diloco", "scaffold")].output
