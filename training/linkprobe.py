@@ -25,6 +25,7 @@ from the probe only: a sync's one-way transfers do not show it.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -192,14 +193,13 @@ class LinkMonitor:
         into a buffer of the peer's limit (gloo delivers a shorter message into a longer
         buffer). Over 120-280 ms links the sizes' own round is half an exchange's time."""
         R, me = self.topo.regions, self.topo.region_index
-        bufs = {i: torch.empty(LENGTH + limits[i], dtype=torch.uint8) for i in range(R) if i != me}
         t0 = time.perf_counter()
-        recvs = {i: _irecv(b, i, self.group) for i, b in bufs.items()}
-        sends = [_isend(message(p), j, self.group) for j, p in enumerate(payloads) if j != me]
+        recvs, sends = post_bounded(payloads, limits, self.group, me)
         out = [b""] * R
         for i in sorted(recvs, key=lambda i: self.links[i].seconds(limits[i])):
-            recvs[i].wait()
-            out[i] = payload_of(bufs[i], limits[i], self.topo.region_names[i])
+            work, buf = recvs[i]
+            work.wait()
+            out[i] = payload_of(buf, limits[i], self.topo.region_names[i])
             self.links[i].observe(len(out[i]), time.perf_counter() - t0)
         for s in sends:
             s.wait()
@@ -219,6 +219,38 @@ class LinkMonitor:
             }
             for j, link in sorted(self.links.items())
         ]
+
+
+def post_bounded(
+    payloads: list[bytes], limits: list[int], group: Any, me: int
+) -> tuple[dict[int, tuple[Any, torch.Tensor]], list[Any]]:
+    """One round of a bounded exchange, posted: from every other rank i of `group` a
+    receive of LENGTH + limits[i] bytes, to every other rank j `message(payloads[j])`.
+    Returns ({i: (the receive, its buffer)}, the sends); the caller waits on them and
+    reads each buffer with `payload_of`."""
+    bufs = {
+        i: torch.empty(LENGTH + limits[i], dtype=torch.uint8)
+        for i in range(len(payloads))
+        if i != me
+    }
+    recvs = {i: (_irecv(b, i, group), b) for i, b in bufs.items()}
+    sends = [_isend(message(p), j, group) for j, p in enumerate(payloads) if j != me]
+    return recvs, sends
+
+
+def bounded_all_to_all(
+    payloads: list[bytes], limits: list[int], group: Any, me: int, names: Sequence[str]
+) -> list[bytes]:
+    """payloads[j] to rank j of `group` in one round, at most limits[i] bytes from rank i
+    (named names[i] in errors); returns what every rank sent me (b"" from myself)."""
+    recvs, sends = post_bounded(payloads, limits, group, me)
+    out = [b""] * len(payloads)
+    for i, (work, buf) in recvs.items():
+        work.wait()
+        out[i] = payload_of(buf, limits[i], names[i])
+    for s in sends:
+        s.wait()
+    return out
 
 
 def message(payload: bytes) -> torch.Tensor:

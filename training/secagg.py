@@ -23,6 +23,8 @@ One round (epoch, step, bucket) in one cross group of R regions, pieces (R, P):
      the shared scale.
 Scales and masked pieces travel through a `quantize: none` codec on stages 2 and 3: the
 same header checks and SM4-GCM/AES-GCM as every payload, under keys of their own stage.
+Each of the two exchanges takes one round (training.linkprobe.bounded_all_to_all: a
+message leads with its length and lands in a buffer of the wire codec's bound).
 
 The X25519 public keys are exchanged once per sync object (a launch or restart), through
 `training.session.Control`: the session's HMAC under the run key, like the session
@@ -53,6 +55,7 @@ from training.errors import (
     SpecError,
     clip,
 )
+from training.linkprobe import bounded_all_to_all
 from training.session import Control, Session
 from training.topology import Topology
 
@@ -257,8 +260,9 @@ class SecureSum:
             return Address(rnd.epoch, rnd.step, peers[src], peers[dst], rnd.bucket, part, stage)
 
         sent = [b"" if j == me else wire.encode(xs[j], addr(me, j))[0] for j in range(R)]
+        limit = wire.max_payload(xs[me].numel())  # every region sends me a piece of my size
         try:
-            blobs = all_to_all_bytes(sent, self.group, R)
+            blobs = bounded_all_to_all(sent, [limit] * R, self.group, me, topo.region_names)
         except RuntimeError as e:  # gloo: a peer closed, or the timeout passed
             others = [i for i in range(R) if i != me]
             raise self._aborted(rnd, others, f"the exchange failed: {e}") from None

@@ -158,14 +158,47 @@ def test_secure_sync_equals_the_unmasked_shared_scale_sync_bitwise_on_every_rank
         assert r["wire"][0] > r["wire"][1]  # 2-byte masked words cost more than int8
 
 
+def _rounds(rank: int, world: int) -> tuple[int, int]:
+    """(cross-region collectives of the masked scatter, one-round exchanges) of a sync."""
+    import torch.distributed as dist
+
+    import training.linkprobe as lp
+
+    sync = _sync(rank, True)
+    sync.all_reduce(torch.randn(1001), step=0)  # the keys' exchange: not counted
+    swaps, rounds = [0], [0]
+    real_a2a, real_post = dist.all_to_all_single, lp.post_bounded
+
+    def a2a(*a: Any, **k: Any) -> Any:
+        swaps[0] += k.get("group") is sync.groups.cross
+        return real_a2a(*a, **k)
+
+    def post(*a: Any, **k: Any) -> Any:
+        rounds[0] += 1
+        return real_post(*a, **k)
+
+    dist.all_to_all_single, lp.post_bounded = a2a, post  # type: ignore[assignment]
+    assert sync.secure is not None
+    sync.secure.scatter_sum(torch.randn(REGIONS, 200), sync.residual(7, 200), 1, 7)
+    return swaps[0], rounds[0]
+
+
+def test_secure_scatter_takes_one_round_per_exchange_and_swaps_no_sizes() -> None:
+    """The scales, then the masked pieces: two exchanges, each one bounded round (over
+    120-280 ms links a round of sizes first cost as much as the payloads)."""
+    assert run_world(_rounds, REGIONS * LOCAL) == [(0, 2)] * (REGIONS * LOCAL)
+
+
 class _Drops(SecureSum):
     """Region 2 sends nothing in the masked stage (its process died mid-round)."""
 
     def _exchange(self, xs: list[torch.Tensor], rnd: Round, stage: int) -> Any:
         if stage == 3 and self.topo.region_index == 2:
-            from training.secagg import all_to_all_bytes
+            from training.linkprobe import bounded_all_to_all
 
-            all_to_all_bytes([b""] * self.topo.regions, self.group, self.topo.regions)
+            R = self.topo.regions
+            limits = [self._wire_codec().max_payload(xs[2].numel())] * R
+            bounded_all_to_all([b""] * R, limits, self.group, 2, self.topo.region_names)
             raise RuntimeError("region 2 injected drop")
         return super()._exchange(xs, rnd, stage)
 
