@@ -33,7 +33,7 @@ def validate(stack: str) -> None:
         f"{m.stack}: ok - {len(plan.regions)} regions, {len(plan.nodes)} nodes, "
         f"{gpus} workers, {len(plan.tunnels)} links, run {plan.run_id}"
     )
-    from training.codec import quantize_hint
+    from training.spec import quantize_hint  # not training.codec: validate stays torch-free
 
     t = m.training
     hints = [quantize_hint(t.compression.quantize, t.sync, t.diloco.drift_correction)]

@@ -444,25 +444,6 @@ def _expected_quant(got: int, own: str, accept: tuple[str, ...]) -> str:
     return own
 
 
-def quantize_hint(quantize: str, sync: str, drift_correction: str = "none") -> str | None:
-    """A `geotrain validate` hint where ternary meets what it was not measured to suit."""
-    if quantize != "ternary":
-        return None
-    if sync != "diloco":
-        return (
-            "hint: training.compression.quantize ternary rounds every step's gradient to "
-            "-s, 0, +s and trained clearly behind int8 and int4 that way (benchmarks/"
-            "results/codec_and_sync.md); it is meant for sync: diloco merges"
-        )
-    if drift_correction == "scaffold":
-        return (
-            "hint: training.compression.quantize ternary with drift_correction scaffold "
-            "ended further behind than ternary alone (benchmarks/results/diloco_parity.md): "
-            "scaffold's estimates follow the rounded average; use int4 with scaffold"
-        )
-    return None
-
-
 def quant_of(payload: bytes) -> str | None:
     """The quantizer a payload's header names (unauthenticated: for statistics only)."""
     if len(payload) < HEADER.size:
