@@ -196,7 +196,7 @@ def runs() -> list[Run]:
         replace(avg, name="H=10->50 int4, averaging", h_start=10),
         replace(sc, name="H=10->50 int4, averaging, scaffold", h_start=10),
     ]
-    # the bytes target: ternary pseudo-gradients (~1.5 bits per value after zstd), their
+    # the bytes target: ternary pseudo-gradients (~1.4 bits per value after zstd), their
     # error feedback carrying what a merge drops into the next
     out += [
         replace(base, name="diloco H=50 ternary", quant="ternary"),

@@ -32,12 +32,13 @@ Quantizers work on a flat fp32 tensor (N,):
 - ternary: per block, values with |x| above TERNARY_THRESHOLD x the block's mean |x| become
   +-s, the rest 0, where s is the mean |x| of those kept (the least-squares scale for that
   sign pattern; as Li et al. 2016's ternary weight networks); 2-bit codes, four per byte.
-  About a third of Gaussian values are kept, and zstd takes the codes to ~1.4 bits per
-  value (~1.56 with the fp32 scale of each 256 values). Meant for DiLoCo's pseudo-
-  gradients with error feedback, which carries what a round drops into the next: a merge
-  then sends about half of int4's bytes, so H=50 merges move 1/1000 of a per-step fp32
-  all-reduce, at a loss cost (benchmarks/results/diloco_parity.md). A gradient every step
-  is better served by int8 or int4.
+  About a third of Gaussian values are kept, and with zstd a payload takes ~1.4 bits per
+  value, its scales and header included (benchmarks/results/codec_and_sync.md: 562 MB/s
+  of fp32 in, 24 MB/s out). Meant for DiLoCo's pseudo-gradients with error feedback,
+  which carries what a round drops into the next: a merge then sends about half of int4's
+  bytes, so H=50 merges move 1/1000 of a per-step fp32 all-reduce, at a loss cost
+  (benchmarks/results/diloco_parity.md). A gradient every step is better served by int8
+  or int4.
 """
 
 from __future__ import annotations
@@ -320,12 +321,15 @@ class Codec:
                 "transit, or forged without this run's key); not applied"
             )
         raw = self._decompress(body, numel, expect, quant)
-        if quant == "ternary" and _bad_ternary(raw, numel, self.spec.block_size):
+        try:
+            return _dequantize(
+                _unshuffle(raw, _itemsize(quant)), quant, numel, self.spec.block_size
+            )
+        except _UnusedCode:
             raise HostileReject(
                 f"{_where(expect)}: authentic ternary body holds code 3, which no encoder "
                 "writes; not applied"
-            )
-        return _dequantize(_unshuffle(raw, _itemsize(quant)), quant, numel, self.spec.block_size)
+            ) from None
 
     def _decompress(self, body: bytes, numel: int, expect: Address, quant: str) -> bytes:
         """The authentic `body`, decompressed to exactly the bytes of `numel` values."""
@@ -548,11 +552,8 @@ def _ternary(x: torch.Tensor, block: int) -> tuple[bytes, torch.Tensor]:
     return scale.view(-1).numpy().tobytes() + data.numpy().tobytes(), decoded
 
 
-def _bad_ternary(raw: bytes, n: int, block: int) -> bool:
-    """Whether a ternary body holds the unused code 3 (both bits of a pair set)."""
-    nb = -(-n // block)
-    body = torch.frombuffer(bytearray(raw), dtype=torch.uint8)[4 * nb :]
-    return bool(((body & (body >> 1) & 0x55) != 0).any())
+class _UnusedCode(ValueError):
+    """A ternary body holds code 3, which no encoder writes."""
 
 
 def _dequantize(raw: bytes, quant: str, n: int, block: int) -> torch.Tensor:
@@ -569,6 +570,8 @@ def _dequantize(raw: bytes, quant: str, n: int, block: int) -> torch.Tensor:
         q = body.view(torch.int8).float().view(nb, block)
     elif quant == "ternary":
         codes = torch.stack([(body >> s) & 3 for s in (0, 2, 4, 6)], dim=1).view(-1)
+        if bool((codes == 3).any()):
+            raise _UnusedCode
         q = (codes[: nb * block].to(torch.int8) - 1).float().view(nb, block)
     else:
         lo = (body & 0x0F).to(torch.int16)
