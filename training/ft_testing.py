@@ -5,7 +5,6 @@ worker once."""
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import time
@@ -19,6 +18,7 @@ import torch.multiprocessing as mp
 
 from training import worker
 from training.quorum import advertised, start_lighthouse
+from training.report import complete_events
 from training.spec import CheckpointSpec, FaultToleranceSpec
 from training.testing import PRELOAD, make_spec
 
@@ -101,7 +101,7 @@ class RegionRun:
         p = self.events(region)
         if not p.exists():
             return []
-        return [json.loads(x) for x in p.read_text().splitlines() if x.strip()]
+        return complete_events(p.read_bytes())
 
     def wait(self, what: str, ok: Callable[[], bool], seconds: float = 90) -> None:
         deadline = time.monotonic() + seconds

@@ -49,18 +49,35 @@ class EventLog:
         # a line still being written has no newline yet: leave it for the next poll
         done = chunk[: chunk.rfind(b"\n") + 1]
         self.offset += len(done)
-        new = []
-        for line in done.splitlines():
-            event = _parse(line)
-            if event is not None:
-                new.append(event)
-            elif line.strip():
-                self.unreadable += 1
+        new, unreadable = _complete(done)
+        self.unreadable += unreadable
         self.events += new
         return new
 
     def of(self, kind: str) -> list[dict[str, Any]]:
         return [e for e in self.events if e["event"] == kind]
+
+
+def complete_events(data: bytes | str) -> list[dict[str, Any]]:
+    """The events of an events.jsonl read while workers may still be appending to it.
+
+    A reader can catch a write half copied (the kernel does not lock readers out of an
+    append), so a last line without its newline is left out, as are lines that are not
+    events (a worker killed mid-write)."""
+    if isinstance(data, str):
+        data = data.encode()
+    return _complete(data[: data.rfind(b"\n") + 1])[0]
+
+
+def _complete(done: bytes) -> tuple[list[dict[str, Any]], int]:
+    events, unreadable = [], 0
+    for line in done.splitlines():
+        event = _parse(line)
+        if event is not None:
+            events.append(event)
+        elif line.strip():
+            unreadable += 1
+    return events, unreadable
 
 
 def _parse(line: bytes) -> dict[str, Any] | None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -10,6 +9,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+from training.report import complete_events
 
 STACKS = Path(__file__).resolve().parents[2] / "stacks"
 
@@ -83,7 +84,7 @@ def events(run_dir: Path) -> list[dict[str, Any]]:
     path = run_dir / "events.jsonl"
     if not path.exists():
         return []
-    return [json.loads(ln) for ln in path.read_text().splitlines() if ln.endswith("}")]
+    return complete_events(path.read_bytes())
 
 
 def committed(root: Path, node: str) -> set[int]:

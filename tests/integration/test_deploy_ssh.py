@@ -24,6 +24,7 @@ import pytest
 from infra.model import load_stack
 from infra.replay import Deployment, Replay
 from tests.integration import fleet as F
+from training.report import complete_events
 
 MISSING = [
     c
@@ -68,7 +69,7 @@ class Life:
 
 def _events(fl: F.Fleet, node: str) -> list[dict[str, Any]]:
     text = fl.hosts[node].sh("cat /var/lib/geotrain/run/events.jsonl 2>/dev/null", check=False)
-    return [json.loads(ln) for ln in text.splitlines() if ln.endswith("}")]
+    return complete_events(text)
 
 
 def _worker(fl: F.Fleet, node: str) -> dict[str, str]:

@@ -10,7 +10,14 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from training.report import EventLog, Progress, console, format_report, summarize
+from training.report import (
+    EventLog,
+    Progress,
+    complete_events,
+    console,
+    format_report,
+    summarize,
+)
 
 REGIONS = ("beijing", "frankfurt")
 REASON = "[bold]torn[/bold] :smile: write"  # text from the run: never rich markup
@@ -134,3 +141,22 @@ def test_report_sets_streaming_exchange_times_against_tau(tmp_path: Path) -> Non
     want = "4 landed (all regions), exchange median 1.25 s, max 2.50 s; tau 3 steps is 3.00 s"
     assert f"{'fragment exchanges':24}{want} of median steps" in text.splitlines(), text
     assert "fragment exchanges" not in format_report(summarize(_log(tmp_path, "diloco"), 12))
+
+
+def test_a_line_still_being_written_waits_and_a_torn_one_is_skipped(tmp_path: Path) -> None:
+    # CI caught a reader seeing an append half copied (an event cut at 298 bytes)
+    whole = json.dumps({"event": "step", "step": 1, "links": {"a": 1}}) + "\n"
+    half = json.dumps({"event": "step", "step": 2, "links": {"a": 2}})[:-9]
+    torn = '{"event": "step", "st' + whole  # a worker killed mid-write, then appended to
+    for data in (whole + half, (whole + half).encode()):
+        assert [e["step"] for e in complete_events(data)] == [1]
+    assert complete_events(half) == []
+    path = tmp_path / "events.jsonl"
+    path.write_text(whole + half)
+    log = EventLog(path)
+    assert [e["step"] for e in log.poll()] == [1]
+    with open(path, "a") as f:  # the rest of the line lands: the next poll takes it
+        f.write(json.dumps({"event": "step", "step": 2, "links": {"a": 2}})[-9:] + "\n" + torn)
+    assert [e["step"] for e in log.poll()] == [2]
+    assert log.unreadable == 1
+    assert [e["step"] for e in complete_events(whole + torn)] == [1]
