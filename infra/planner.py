@@ -9,7 +9,10 @@ G · peak · MFU FLOP/s (A100 bf16 dense peak: 312 TFLOPS; MFU 40% is a good lar
 Cross-region traffic of geotrain's hierarchical sync (training/hier.py): per sync each
 region sends every peer N/R values in the reduce-scatter and N/R in the all-gather, so
 each link carries 2 · N · b / R bytes per direction (b bytes per value), all links at once;
-the R regions send 2 · (R - 1) · N · b bytes in all. Per-step all-reduce syncs every step;
+the R regions send 2 · (R - 1) · N · b bytes in all. With `exchange: allgather` each
+region sends its whole N values, quantized once, to every peer: N · b per link and
+direction, R · (R - 1) · N · b in all (the same with 2 regions), in one round instead of
+two (round trips are not modelled here). Per-step all-reduce syncs every step;
 DiLoCo every H steps (its pseudo-gradients are as large as the gradients). The sync does
 not overlap compute, so a step takes compute + sync; streaming DiLoCo overlaps its
 fragments with up to tau steps of compute, so it costs only what does not fit.
@@ -60,6 +63,8 @@ class Inputs:
     """Bits per value the codec sends across regions."""
     stream_tau: int = 5
     """Streaming DiLoCo: steps a fragment may arrive late."""
+    exchange: str = "direct"
+    """The cross-region exchange (training.exchange): allgather sends every value whole."""
 
 
 @dataclass(frozen=True)
@@ -97,9 +102,11 @@ def estimate(i: Inputs) -> list[Estimate]:
             sync_s = 0.0
             total_bytes = 0.0
         else:
-            per_link = 2 * i.active_params * (bits / 8) / i.regions
+            # values each region sends each peer: 2 N / R (direct), N (allgather)
+            sent = i.active_params if i.exchange == "allgather" else 2 * i.active_params / i.regions
+            per_link = sent * bits / 8
             sync_s = per_link / link_bytes_per_s
-            total_bytes = 2 * (i.regions - 1) * i.active_params * bits / 8
+            total_bytes = i.regions * (i.regions - 1) * per_link
         # one sync every `every` steps; streaming hides it behind `overlap` steps
         exposed = max(0.0, sync_s - overlap * step_compute)
         wall = steps * step_compute + steps / every * exposed
@@ -154,6 +161,7 @@ def inputs_from_plan(plan: Plan, mfu: float, tokens: float | None = None) -> Inp
         diloco_h=h,
         bits=_bits(t.compression.quantize),
         stream_tau=t.diloco.tau or 5,  # the stack's tau when it streams; else the paper's 5
+        exchange=t.exchange,
     )
 
 
@@ -195,8 +203,10 @@ def _check(i: Inputs) -> None:
         raise PlanInputError(f"--mfu must be in (0, 1], got {i.mfu}; 0.4 is a good large run")
     if i.gpus < 1 or i.regions < 1 or i.diloco_h < 1:
         raise PlanInputError("gpus, regions and H must be at least 1")
-    if i.bits not in (4, 8, 16, 32):
-        raise PlanInputError(f"bits must be 4, 8, 16 or 32, got {i.bits}")
+    if i.exchange not in ("direct", "allgather", "topology"):
+        raise PlanInputError(f"exchange must be direct, allgather or topology, got {i.exchange}")
+    if i.bits not in (2, 4, 8, 16, 32):
+        raise PlanInputError(f"bits must be 2 (ternary), 4, 8, 16 or 32, got {i.bits}")
 
 
 def format_plan(i: Inputs, rows: list[Estimate]) -> str:
@@ -206,7 +216,8 @@ def format_plan(i: Inputs, rows: list[Estimate]) -> str:
         f"G = {i.gpus} accelerators x {i.peak_flops / 1e12:.0f} TFLOPS peak x MFU {i.mfu:.0%}"
         f" = {i.gpus * i.peak_flops * i.mfu / 1e15:.1f} PFLOP/s",
         f"compute: 6 x N x D = {6 * i.active_params * i.tokens:.3g} FLOPs",
-        f"sync: each of R = {i.regions} regions sends 2 x N x bits / R bytes on each link "
+        f"sync: each of R = {i.regions} regions sends "
+        f"{'N x bits' if i.exchange == 'allgather' else '2 x N x bits / R'} bytes on each link "
         f"(slowest {i.link_gbps:g} Gbit/s) per sync; DiLoCo syncs every H = {i.diloco_h} "
         f"steps; streaming hides a fragment behind tau = {i.stream_tau} steps",
         "",

@@ -86,3 +86,17 @@ def test_broken_planner_inputs_are_one_line_exit_2(args: list[str], words: str) 
 def test_bad_inputs_raise_plan_input_error() -> None:
     with pytest.raises(PlanInputError, match="bits must be"):
         estimate(dataclasses.replace(BASE, bits=3))
+
+
+def test_allgather_sends_r_over_2_times_the_bytes_and_ternary_plans() -> None:
+    for regions in (2, 3, 4):
+        base = dataclasses.replace(BASE, regions=regions)
+        direct = estimate(base)[1]
+        gather = estimate(dataclasses.replace(base, exchange="allgather"))[1]
+        ratio = (gather.tb_per_day * gather.days) / (direct.tb_per_day * direct.days)
+        assert ratio == pytest.approx(regions / 2)
+    two = estimate(dataclasses.replace(BASE, bits=2))  # quantize: ternary
+    modes = ["allreduce-ternary", "diloco-H100-ternary", "streaming-diloco-H100-ternary"]
+    assert [r.mode for r in two][1:] == modes
+    with pytest.raises(PlanInputError, match="exchange must be"):
+        estimate(dataclasses.replace(BASE, exchange="ring"))
