@@ -66,9 +66,10 @@ KEY_BYTES = {"none": 32, "sm4-gcm": 16, "aes-gcm": 32}
 """HMAC-SHA256 key for `none`."""
 MAGIC = b"GT"
 VERSION = 2
-STAGES = ("scatter", "gather", "secagg-scale", "secagg-masked")
+STAGES = ("scatter", "gather", "secagg-scale", "secagg-masked", "allgather")
 """Exchange stage: 0 sends piece j to region j, 1 sends the reduced piece to every region;
-2 and 3 carry secure aggregation's scales and masked pieces (training.secagg)."""
+2 and 3 carry secure aggregation's scales and masked pieces (training.secagg); 4 sends a
+region's whole shard to every region (`exchange: allgather`)."""
 # magic, version, quant, cipher, stage, run tag, session, epoch, step, bucket, source rank,
 # destination rank, part, numel, block, nonce (generation u32 || counter u64)
 HEADER = struct.Struct(">2sBBBB16s16sIQIIIHII12s")
@@ -101,7 +102,7 @@ class Address:
     part: int = 0
     """Piece of the bucket: the piece sent (scatter) or the piece reduced (gather)."""
     stage: int = 0
-    """0 scatter, 1 gather (STAGES)."""
+    """0 scatter, 1 gather, ... (STAGES)."""
 
 
 class _Header(NamedTuple):

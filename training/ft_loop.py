@@ -240,6 +240,7 @@ def run(
         regions=len(spec.regions),
         sync=spec.sync,
         warmup=spec.diloco.warmup_steps if spec.sync == "diloco" else 0,
+        exchange=spec.exchange,
         ft=True,  # sessions are per quorum (training.quorum), not per start
         **json.loads(os.environ.get("GEOTRAIN_TORCHRUN", "{}")),
     )

@@ -195,7 +195,12 @@ def setup(
     model = build_model(spec).to(device)
     codec = Codec(spec.codec, key, session)
     sync = HierarchicalAllReduce(
-        topo, groups, codec, spec.run_id, error_feedback=spec.codec.error_feedback
+        topo,
+        groups,
+        codec,
+        spec.run_id,
+        error_feedback=spec.codec.error_feedback,
+        allgather=spec.exchange == "allgather",
     )
     sync.planner = TopologyExchange.for_spec(spec)  # exchange: topology (None: direct)
     sync.probe()  # every cross-region link's bandwidth and RTT (training.linkprobe)

@@ -242,6 +242,7 @@ def run(
         sync=spec.sync,
         warmup=spec.diloco.warmup_steps if spec.sync == "diloco" else 0,
         tau=spec.diloco.tau if spec.sync == "diloco" else 0,
+        exchange=spec.exchange,
         epoch=session.epoch,
         session=session.id.hex()[:16],
         **json.loads(os.environ.get("GEOTRAIN_TORCHRUN", "{}")),

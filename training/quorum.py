@@ -378,6 +378,7 @@ class Quorum:
             Codec(self.spec.codec, self.key, session),
             self.spec.run_id,
             error_feedback=self.spec.codec.error_feedback,
+            allgather=self.spec.exchange == "allgather",
         )
         self.members, self.contributors, self._qid = tuple(members), contributors, self.pg.quorum_id
         if self.on_quorum is not None:

@@ -217,6 +217,7 @@ def summarize(log: EventLog, spec_steps: int) -> dict[str, Any]:
         "sync": start[0].get("sync"),
         "warmup": start[0].get("warmup", 0),
         "tau": start[0].get("tau", 0),
+        "exchange": start[0].get("exchange", "direct"),
         "exchange_s": sorted(x for e in steps for x in e.get("exchange_s", ())),
         "median_step_s": statistics.median(e["step_s"] for e in steps),
         "privacy": privacy_summary(log),
@@ -332,6 +333,8 @@ def _sync_rows(r: dict[str, Any]) -> list[tuple[str, str]]:
         merges = f"{syncs} (an all-reduce per step)"
     if syncs:
         merges += f", {r['cross_region_wire_bytes'] / syncs / 1e6:.2f} MB cross-region each"
+    if r.get("exchange", "direct") != "direct":
+        mode += f"; cross-region exchange: {r['exchange']}"
     rows = [("sync mode", mode), ("global merges", merges)]
     ex = r.get("exchange_s") or []
     if ex:  # streaming: did tau steps cover each fragment's background exchange?

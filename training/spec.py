@@ -43,7 +43,7 @@ Cipher = Literal["sm4-gcm", "aes-gcm", "none"]
 SyncMode = Literal["allreduce", "diloco"]
 DriftCorrection = Literal["none", "scaffold"]
 Balance = Literal["off", "throughput"]
-Exchange = Literal["direct", "topology"]
+Exchange = Literal["direct", "allgather", "topology"]
 
 
 @dataclass(frozen=True, config=_STRICT)
@@ -347,7 +347,8 @@ class LaunchSpec:
     codec: CodecSpec = field(default_factory=CodecSpec)
     """Cross-region codec."""
     exchange: Exchange = "direct"
-    """topology: pieces and relays planned from the measured links (training.topo_exchange)."""
+    """allgather: each region's shard whole to every region, one round (training.hier);
+    topology: pieces and relays planned from the measured links (training.topo_exchange)."""
     exchange_replan: Count = 20
     """topology: cross-region exchanges (bucket syncs) between two agreed plans."""
     diloco: DilocoSpec = field(default_factory=DilocoSpec)
@@ -508,10 +509,20 @@ def fault_tolerance_conflict(
     return None
 
 
-def exchange_conflict(*, secure_aggregation: bool, adaptive: bool) -> str | None:
-    """Why `exchange: topology` cannot run with the rest of a stack or spec (None: it can);
-    the stack check (infra.model.checks) and the launch spec's
-    (training.topo_exchange) share it."""
+def exchange_conflict(exchange: str, *, secure_aggregation: bool, adaptive: bool) -> str | None:
+    """Why `exchange` cannot run with the rest of a stack or spec (None: it can); the stack
+    check (infra.model.checks) and the launch spec's (training.topo_exchange,
+    training.hier) share it."""
+    if exchange == "direct":
+        return None
+    if exchange == "allgather":
+        if secure_aggregation:
+            return (
+                "cannot be combined with secure_aggregation (it sends each region's own "
+                "values to every region, which secure aggregation exists to prevent); set "
+                "exchange: direct, or turn secure_aggregation off"
+            )
+        return None
     if secure_aggregation:
         return (
             "cannot be combined with secure_aggregation yet (its masked stage sums equal "

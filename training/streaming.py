@@ -64,9 +64,9 @@ class TwinSync(HierarchicalAllReduce):
 
     main: HierarchicalAllReduce | None = None
 
-    def residual(self, bucket: int, piece: int) -> torch.Tensor:
+    def residual(self, bucket: int, piece: int, rows: int | None = None) -> torch.Tensor:
         assert self.main is not None  # set by twin()
-        return self.main.residual(bucket, piece)  # read each call: resume re-points the dict
+        return self.main.residual(bucket, piece, rows)  # each call: resume re-points the dict
 
     def all_reduce_many(
         self, xs: Sequence[torch.Tensor], step: int, buckets: Sequence[int]
@@ -91,6 +91,7 @@ def twin(sync: HierarchicalAllReduce) -> TwinSync:
         sync.codec,
         sync.run_id,
         error_feedback=sync.error_feedback,
+        allgather=sync.allgather,
         main=sync,
     )
 

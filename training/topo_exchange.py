@@ -107,9 +107,10 @@ class TopologyExchange:
     @staticmethod
     def for_spec(spec: LaunchSpec) -> TopologyExchange | None:
         """The planner a launch spec asks for (None: the direct exchange)."""
-        if spec.exchange == "direct":
+        if spec.exchange != "topology":
             return None
         conflict = exchange_conflict(
+            spec.exchange,
             secure_aggregation=spec.codec.secure_aggregation,
             adaptive=spec.codec.adaptive is not None,
         )

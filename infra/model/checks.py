@@ -424,13 +424,12 @@ def _training(m: StackModel, source: str) -> None:
 
 def _exchange(m: StackModel, source: str) -> None:
     c = m.training.compression
-    if m.training.exchange != "topology":
-        return
+    x = m.training.exchange
     conflict = exchange_conflict(
-        secure_aggregation=c.secure_aggregation, adaptive=c.adaptive is not None
+        x, secure_aggregation=c.secure_aggregation, adaptive=c.adaptive is not None
     )
     if conflict:
-        raise _err(source, "training.exchange", f"topology {conflict}")
+        raise _err(source, "training.exchange", f"{x} {conflict}")
 
 
 def _adaptive(m: StackModel, source: str) -> None:

@@ -385,9 +385,13 @@ class Training(Strict):
     rank (global batch kept) so no region waits at the sync (training.balance)."""
     balance_steps: int = Field(default=5, ge=1, le=1000)
     """Steps measured (after the first) before the throughput balance assigns batches."""
-    exchange: Literal["direct", "topology"] = "direct"
-    """topology: each region aggregates a share of the gradients sized by its measured
-    links, and flows over a slow link relay through a faster region (training.topo_exchange)."""
+    exchange: Literal["direct", "allgather", "topology"] = "direct"
+    """direct: a reduce-scatter then an all-gather across regions (two rounds, each value
+    sent 2 (R - 1) / R times); allgather: each region's gradients or pseudo-gradients,
+    quantized once, go whole to every region (one round, R / 2 times direct's bytes: the
+    same with 2 regions, 1.5x with 3); topology: each region aggregates a share of the
+    gradients sized by its measured links, and flows over a slow link relay through a
+    faster region (training.topo_exchange)."""
     exchange_replan: int = Field(default=20, ge=1, le=100000)
     """topology: cross-region exchanges (bucket syncs) between two plans agreed by every region."""
     fault_tolerance: FaultTolerance | None = None

@@ -169,14 +169,15 @@ def test_streaming_ternary_merges_report_their_exchanges_and_end_as_one_model(
     tmp_path: Path,
 ) -> None:
     """quantize: ternary through the whole path (stack, launch spec, worker, codec) with
-    streaming fragments: each landing's exchange time reaches the step events and the
-    report, and only the last step (every fragment merged) carries the weights' digest,
-    the same in every region."""
+    streaming fragments, exchanged whole in one round (exchange: allgather): each
+    landing's exchange time reaches the step events and the report, and only the last
+    step (every fragment merged) carries the weights' digest, the same in every region."""
     stack = small_stack(
         tmp_path,
         "st",
         sync="diloco",
         steps=9,
+        exchange="allgather",
         compression={"quantize": "ternary"},
         diloco={"inner_steps": 4, "fragments": 2, "tau": 1},
         checkpoint={"interval_steps": 9, "keep": 1},
@@ -184,6 +185,7 @@ def test_streaming_ternary_merges_report_their_exchanges_and_end_as_one_model(
     r = geotrain("train", "--stack", str(stack), cwd=tmp_path)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "fragment exchanges" in r.stdout and "tau 1 steps is" in r.stdout, r.stdout
+    assert "cross-region exchange: allgather" in r.stdout, r.stdout
     steps = [e for e in events(tmp_path / ".geotrain/st") if e["event"] == "step"]
     landed = [x for e in steps for x in e.get("exchange_s", ())]
     assert len(landed) >= 3 and all(x > 0 for x in landed), landed  # per region leader

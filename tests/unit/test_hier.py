@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from training.codec import Codec
-from training.errors import PayloadRejected
+from training.errors import PayloadRejected, SpecError
 from training.hier import HierarchicalAllReduce, HookState, ddp_comm_hook, flat_average
 from training.linkprobe import LENGTH, message, payload_of
 from training.spec import CodecSpec
@@ -141,11 +141,13 @@ class _Counting(HierarchicalAllReduce):
         return super()._all_to_all_bytes(payloads, limits)
 
 
-def _counting(rank: int, quant: str) -> _Counting:
+def _counting(rank: int, quant: str, allgather: bool = False, secure: bool = False) -> _Counting:
     spec = make_spec(REGIONS, LOCAL)
     topo = Topology.of(spec, rank)
-    codec = Codec(CodecSpec(quantize=quant, cipher="sm4-gcm", block_size=64), KEY)
-    return _Counting(topo, make_groups(topo, torch.device("cpu")), codec, spec.run_id)
+    cs = CodecSpec(quantize=quant, cipher="sm4-gcm", block_size=64, secure_aggregation=secure)
+    codec = Codec(cs, KEY)
+    groups = make_groups(topo, torch.device("cpu"))
+    return _Counting(topo, groups, codec, spec.run_id, allgather=allgather)
 
 
 def _many(rank: int, world: int, quant: str) -> dict[str, Any]:
@@ -224,3 +226,67 @@ def test_a_bounded_message_that_claims_more_than_its_limit_is_refused() -> None:
     forged[:LENGTH] = torch.frombuffer(bytearray((17).to_bytes(LENGTH, "big")), dtype=torch.uint8)
     with pytest.raises(PayloadRejected, match="region frankfurt sent a message of 17 bytes"):
         payload_of(torch.cat([forged, torch.zeros(10, dtype=torch.uint8)]), 16, "frankfurt")
+
+
+def _allgather(rank: int, world: int, quant: str) -> dict[str, Any]:
+    direct, whole = _counting(rank, quant), _counting(rank, quant, allgather=True)
+    sizes = (60_000, 10, 701)  # one large enough that headers and scales weigh little
+    out: dict[str, Any] = {"direct": [], "whole": [], "flat": []}
+    for step in range(2):  # the second step carries the first one's residuals
+        g = torch.Generator().manual_seed(100 * step + rank)
+        if quant == "none":  # exact sums: any order gives the same bits
+            xs = [torch.randint(-50, 50, (n,), generator=g).float() for n in sizes]
+        else:
+            xs = [torch.randn(n, generator=g) for n in sizes]
+        out["direct"] += direct.all_reduce_many(xs, step, [0, 1, 2])
+        out["whole"] += whole.all_reduce_many(xs, step, [0, 1, 2])
+        out["flat"] += [flat_average(x) for x in xs]
+    for k, s in (("d", direct), ("w", whole)):
+        out[k] = (s.exchanges, s.stats.cross_wire_bytes, s.stats.cross_raw_bytes)
+    # residuals kept under one exchange (a checkpoint) met by the other restart from zero
+    kept = whole.residuals[0]
+    out["layouts"] = (tuple(kept.shape), tuple(direct.residuals[0].shape))
+    direct.residuals = whole.residuals
+    again = direct.residual(0, direct.residuals[0].shape[1] // REGIONS + 1)
+    out["restarted"] = (tuple(again.shape), bool(again.abs().sum() == 0), bool(kept.any()))
+    return out
+
+
+@pytest.mark.parametrize("quant", ["none", "int4", "ternary"])
+def test_allgather_is_one_exchange_quantizes_once_and_is_identical_on_every_rank(
+    quant: str,
+) -> None:
+    out = run_world(_allgather, WORLD, quant)
+    for r in out:
+        assert all(torch.equal(a, b) for a, b in zip(r["whole"], out[0]["whole"], strict=True))
+        assert r["w"][0] == 2 and r["d"][0] == 4  # 2 steps: one exchange each, not two
+        S = 30_000  # the first bucket's shard: 60,000 values over 2 local ranks
+        assert r["layouts"] == ((1, S), (REGIONS + 1, S // REGIONS))
+        assert r["restarted"] == ((REGIONS + 1, S // REGIONS + 1), True, quant != "none")
+        # R / 2 times direct's values: each region's shard whole to 2 peers, not 4/3 of it
+        assert r["w"][2] / r["d"][2] == pytest.approx(REGIONS / 2, rel=0.01)
+        if quant == "none":  # (zstd packs the small integers of these sums unevenly)
+            assert all(torch.equal(a, b) for a, b in zip(r["whole"], r["flat"], strict=True))
+            continue
+        # on the wire at most R / 2 times (zstd packs the quantized sums a little less)
+        assert 1.2 < r["w"][1] / r["d"][1] < 1.02 * REGIONS / 2, (r["w"], r["d"])
+
+        def err(key: str, r: dict[str, Any] = r) -> float:
+            pairs = zip(r[key], r["flat"], strict=True)
+            return sum(((a - f).norm() / f.norm()).item() for a, f in pairs)
+
+        # a region's values are quantized once; direct quantizes the sums again
+        assert err("whole") < 0.9 * err("direct"), (err("whole"), err("direct"))
+
+
+def _allgather_secure(rank: int, world: int) -> str:
+    try:
+        _counting(rank, "int8", allgather=True, secure=True)
+    except SpecError as e:
+        return str(e)
+    return "built"
+
+
+def test_allgather_refuses_secure_aggregation_before_any_exchange() -> None:
+    out = run_world(_allgather_secure, WORLD)
+    assert all("exchange: allgather cannot be combined with secure_aggregation" in e for e in out)

@@ -156,7 +156,7 @@ def test_the_launch_spec_refuses_topology_with_what_it_does_not_support() -> Non
     planner = TopologyExchange.for_spec(make_spec(3, 1, exchange="topology", exchange_replan=7))
     assert planner is not None and planner.replan == 7
     bad = make_spec(3, 1).to_json().replace('"exchange": "direct"', '"exchange": "ring"')
-    with pytest.raises(SpecError, match=r"exchange: 'ring' .*'direct' or 'topology'"):
+    with pytest.raises(SpecError, match=r"exchange: 'ring' .*'direct', 'allgather' or 'topology'"):
         LaunchSpec.from_json(bad)
 
 
@@ -181,6 +181,15 @@ def test_the_stack_setting_reaches_the_launch_spec_and_conflicts_are_one_line(
         load_stack(str(write_stack("local", bad)))
     assert e.value.path == "geotrain:training.exchange"
     assert "secure_aggregation" in str(e.value) and "\n" not in str(e.value)
+    stack = write_stack("local", _training(exchange="allgather"))
+    assert render_launch_spec(build_plan(load_stack(str(stack)))).exchange == "allgather"
+    bad = _training(
+        exchange="allgather", compression={"quantize": "int4", "secure_aggregation": True}
+    )
+    with pytest.raises(ConfigError) as e:
+        load_stack(str(write_stack("local", bad)))
+    assert e.value.path == "geotrain:training.exchange"
+    assert "allgather cannot be combined with secure_aggregation" in str(e.value)
 
 
 # -- real worlds ------------------------------------------------------------------------
