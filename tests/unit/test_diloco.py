@@ -188,7 +188,9 @@ def test_outer_lr_rule_rises_with_regions_between_the_anchors() -> None:
     assert outer_hint(3, 0.7, 0.9) is None
     hint = outer_hint(8, 0.3, 0.9)
     assert hint is not None and "suggests outer_lr 0.80" in hint
-    assert outer_hint(3, 0.6, 0.0) is not None  # plain outer SGD: off the rule
+    assert outer_hint(3, 0.6, 0.0) is not None  # outer SGD at lr 0.6: neither
+    assert outer_hint(3, 1.0, 0.0) is None  # plain averaging: measured best over tens of merges
+    assert "plain averaging (outer_lr 1, outer_momentum 0)" in (outer_hint(3, 1.4, 0.0) or "")
 
 
 def _diloco_stack(write_stack: Any, **diloco: Any) -> Any:
