@@ -14,7 +14,7 @@ holds the same one) on held-out windows of every region's text (the last 10% of 
 shard, never trained on; each region evaluates its own, the mean taken), and the mean
 training loss of the last 25 steps. Gaps are relative to allreduce int8.
 
-Run: nice -n 10 python benchmarks/diloco_parity.py [--steps 1000] [--only NAME ...]
+Run: nice -n 10 python benchmarks/diloco_parity.py [--steps 3000] [--only NAME ...]
 [--cache FILE]. Saves benchmarks/results/diloco_parity.md once every row is measured (with
 --cache, rows measured before are taken from FILE, so a row can be re-measured alone).
 With --seeds S ... --only NAME ...: those rows at each seed, saved with their spread to
@@ -77,7 +77,7 @@ def widened(dim: int) -> ModelConfig:
 
 @dataclass(frozen=True)
 class Setup:
-    steps: int = 1000
+    steps: int = 3000
     """Inner steps of every run (equal tokens)."""
     regions: int = 3
     """Regions, one rank each."""
@@ -127,6 +127,12 @@ class Run:
     """Drift correction: none | scaffold (training.diloco)."""
     h_start: int | None = None
     """Growing H: the first interval, doubling up to h (None: h throughout)."""
+    exchange: str = "direct"
+    """Cross-region exchange: direct (reduce-scatter, all-gather) | allgather (each
+    region's values quantized once, sent whole)."""
+    bucket_mb: float | None = None
+    """Sync bucket size (None: Setup.bucket_mb, small enough for 4 fragments; the spec's
+    default, 4 MB, holds this whole model in one bucket: fewer payload headers)."""
 
 
 def runs() -> list[Run]:
@@ -204,6 +210,17 @@ def runs() -> list[Run]:
         replace(sc, name="H=50 ternary, averaging, scaffold", quant="ternary"),
         replace(sc, name="H=10->50 ternary, averaging, scaffold", quant="ternary", h_start=10),
     ]
+    # quantized once (exchange: allgather): no second quantization of the sums, for 1.5x
+    # the bytes with 3 regions
+    out += [
+        replace(avg, name="H=50 int4, averaging, allgather", exchange="allgather"),
+        replace(
+            avg, name="H=50 ternary, averaging, allgather", quant="ternary", exchange="allgather"
+        ),
+        # the spec's default bucket_mb: one bucket, so a merge's payloads carry 2 headers
+        # per peer rather than 2 per bucket (~10% of a ternary merge at this model's size)
+        replace(avg, name="H=50 ternary, averaging, 4 MB buckets", quant="ternary", bucket_mb=4.0),
+    ]
     return out
 
 
@@ -239,7 +256,10 @@ def _rank(rank: int, world: int, run: Run, setup: Setup) -> dict[str, Any]:
     cut = len(text) * 9 // 10  # the last 10%: held out for the eval
     loader = ByteLoader.of(text[:cut], setup.batch, setup.seq_len, 1000 + rank + 100 * setup.seed)
     codec = Codec(CodecSpec(quantize=run.quant, cipher="sm4-gcm"), KEY)
-    sync = HierarchicalAllReduce(topo, groups, codec, "bench", error_feedback=True)
+    sync = HierarchicalAllReduce(
+        topo, groups, codec, "bench", error_feedback=True, allgather=run.exchange == "allgather"
+    )
+    bucket_mb = run.bucket_mb or setup.bucket_mb
     torch.manual_seed(1234 + setup.seed)  # the same initial weights in every region and run
     model = DeepSeekLM(setup.model)
     opt = torch.optim.AdamW(model.parameters(), lr=setup.lr * run.lr_scale, weight_decay=0.01)
@@ -257,7 +277,7 @@ def _rank(rank: int, world: int, run: Run, setup: Setup) -> dict[str, Any]:
             mix=run.mix,
             drift_correction=run.drift,
         )
-        buckets = sync_buckets(list(model.parameters()), setup.bucket_mb)
+        buckets = sync_buckets(list(model.parameters()), bucket_mb)
         d = DiLoCo(buckets, ds, sync, twin(sync) if run.tau else None)
     losses = []
     t0 = time.perf_counter()
@@ -267,7 +287,7 @@ def _rank(rank: int, world: int, run: Run, setup: Setup) -> dict[str, Any]:
         loss.backward()
         losses.append(loss.item())
         if d is None or d.warming(step):
-            hierarchical_step(model, sync, step, setup.bucket_mb)
+            hierarchical_step(model, sync, step, bucket_mb)
         # else: one rank per region, so the in-region average is the gradient itself
         opt.step()
         sched.step()
@@ -282,6 +302,7 @@ def _rank(rank: int, world: int, run: Run, setup: Setup) -> dict[str, Any]:
     dist.all_reduce(ev)  # the mean over regions (a scalar: nothing of the data crosses)
     return {
         "losses": losses,
+        "passes": setup.steps * setup.batch * setup.seq_len / cut,
         "eval": ev.item() / world,
         "wire": sync.stats.cross_wire_bytes,
         "params": sum(p.numel() for p in model.parameters()),
@@ -303,6 +324,8 @@ def measure(run: Run, setup: Setup) -> dict[str, Any]:
         "merges": r0["merges"],
         "seconds": max(r["seconds"] for r in per_rank),
         "params": r0["params"],
+        "passes": max(r["passes"] for r in per_rank),
+        "steps": setup.steps,
     }
 
 
@@ -313,6 +336,9 @@ def table(results: dict[str, dict[str, Any]], setup: Setup) -> str:
         f"# DiLoCo parity: {setup.steps} inner steps, {setup.regions} regions x 1 rank, "
         f"non-IID shards, {p:,}-parameter DeepSeekLM, {setup.batch} x {setup.seq_len} bytes "
         "per region per step (equal tokens)",
+        "",
+        f"Each region reads its training text (90% of its shard) up to {_passes(results):.1f} "
+        "times over.",
         "",
         "eval: the final model on held-out windows of every region's shard (mean over "
         "regions); train: mean training loss of the last 25 steps. Gaps against allreduce "
@@ -425,6 +451,21 @@ BOUGHT = (
     ("int4 -> ternary pseudo-gradients (H=50)", "diloco H=50 int4", "diloco H=50 ternary"),
     ("averaging: int4 -> ternary", AVG + " lr 1 (averaging)", "H=50 ternary, averaging"),
     (
+        "averaging, int4: quantized once (exchange allgather)",
+        AVG + " lr 1 (averaging)",
+        "H=50 int4, averaging, allgather",
+    ),
+    (
+        "averaging, ternary: quantized once (exchange allgather)",
+        "H=50 ternary, averaging",
+        "H=50 ternary, averaging, allgather",
+    ),
+    (
+        "averaging, ternary: one 4 MB bucket per merge (fewer payload headers)",
+        "H=50 ternary, averaging",
+        "H=50 ternary, averaging, 4 MB buckets",
+    ),
+    (
         "averaging + scaffold: int4 -> ternary",
         "H=50 int4, averaging, scaffold",
         "H=50 ternary, averaging, scaffold",
@@ -454,6 +495,12 @@ def bought(results: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _passes(results: dict[str, dict[str, Any]]) -> float:
+    """The most passes a region makes over its training text (the region of the shortest;
+    rows measured before this column existed carry none, the allreduce row always has it)."""
+    return max(r.get("passes", 0.0) for r in results.values())
+
+
 def _gap(results: dict[str, dict[str, Any]], name: str) -> float:
     ref = results.get("allreduce int8, cosine") if "cosine" in name else None
     ref = ref or results["allreduce int8"]
@@ -462,13 +509,20 @@ def _gap(results: dict[str, dict[str, Any]], name: str) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--steps", type=int, default=1000)
+    ap.add_argument(
+        "--steps",
+        type=int,
+        default=Setup.steps,
+        help="inner steps of every run; other than the default, the table is saved to "
+        "diloco_parity_steps<N>.md (and --seeds to diloco_parity_seeds_steps<N>.md)",
+    )
     ap.add_argument("--only", nargs="*", help="run only rows whose name contains one of these")
     ap.add_argument(
         "--cache",
         type=Path,
         help="JSON of finished rows: rows found there are not run again (with --only: the "
-        "others are taken from it, and the table is saved once every row is there)",
+        "others are taken from it, and the table is saved once every row is there; with "
+        "--seeds, rows at each seed)",
     )
     ap.add_argument(
         "--seeds",
@@ -486,11 +540,13 @@ def main() -> None:
     )
     a = ap.parse_args()
     if a.seeds:
-        return spread(a.only or [], a.seeds, a.steps)
+        return spread(a.only or [], a.seeds, a.steps, a.cache)
     if a.dim != MODEL.dim and a.cache:
         raise SystemExit(f"--dim {a.dim} with --cache: the cache holds rows of width {MODEL.dim}")
     setup = Setup(steps=a.steps, model=widened(a.dim))
     cached = json.loads(a.cache.read_text()) if a.cache and a.cache.exists() else {}
+    # rows of another length are measured again (rows from before "steps": 1000)
+    cached = {k: v for k, v in cached.items() if v.get("steps", 1000) == a.steps}
     results: dict[str, dict[str, Any]] = {}
     for run in runs():
         chosen = a.only is None or any(s in run.name for s in a.only)
@@ -509,7 +565,12 @@ def main() -> None:
         return
     if len(results) == len(runs()):
         RESULTS.mkdir(exist_ok=True)
-        (RESULTS / "diloco_parity.md").write_text(out)
+        (RESULTS / f"diloco_parity{_suffix(a.steps)}.md").write_text(out)
+
+
+def _suffix(steps: int) -> str:
+    """The results file's suffix for a run of `steps` (none at the default length)."""
+    return "" if steps == Setup.steps else f"_steps{steps}"
 
 
 SPREAD = (
@@ -545,22 +606,45 @@ SPREAD = (
         "H=50 int4, outer SGD lr 1 (averaging)",
         "H=50 ternary, averaging",
     ),
+    (
+        "Nesterov 0.6/0.9 -> plain averaging (H=50 int4)",
+        "diloco H=50 int4",
+        "H=50 int4, outer SGD lr 1 (averaging)",
+    ),
+    (
+        "ternary: quantized once (exchange allgather)",
+        "H=50 ternary, averaging",
+        "H=50 ternary, averaging, allgather",
+    ),
+    (
+        "ternary: one 4 MB bucket per merge",
+        "H=50 ternary, averaging",
+        "H=50 ternary, averaging, 4 MB buckets",
+    ),
+    ("ternary: + scaffold", "H=50 ternary, averaging", "H=50 ternary, averaging, scaffold"),
 )
 """(technique, the row without it, the row with it) compared seed by seed."""
 
 
-def spread(only: list[str], seeds: list[int], steps: int) -> None:
+def spread(only: list[str], seeds: list[int], steps: int, cache: Path | None = None) -> None:
     """The chosen rows at several seeds: each eval gap against the same seed's allreduce
     int8, their mean and range, and each technique's change seed by seed (one seed's gap
-    differences are within about +-2 points of noise; this says how much)."""
+    differences are within about +-2 points of noise; this says how much). With `cache`,
+    (row, seed, steps) measured before are taken from it."""
     chosen = [r for r in runs() if r.name == "allreduce int8" or any(s in r.name for s in only)]
     gaps: dict[str, dict[int, float]] = {}
+    done = json.loads(cache.read_text()) if cache and cache.exists() else {}
     for seed in seeds:
         setup = Setup(steps=steps, seed=seed)
         got = {}
         for run in chosen:
-            got[run.name] = measure(run, setup)
-            _progress(f"{run.name} (seed {seed})", got[run.name])
+            key = f"{run.name} | seed {seed} | {steps} steps"
+            if key not in done:
+                done[key] = measure(run, setup)
+                _progress(f"{run.name} (seed {seed})", done[key])
+                if cache:
+                    cache.write_text(json.dumps(done, indent=1))
+            got[run.name] = done[key]
         ref = got["allreduce int8"]["eval"]
         for name, r in got.items():
             gaps.setdefault(name, {})[seed] = 100 * (r["eval"] - ref) / ref
@@ -587,7 +671,7 @@ def spread(only: list[str], seeds: list[int], steps: int) -> None:
     out = "\n".join(lines) + "\n"
     print(out)
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "diloco_parity_seeds.md").write_text(out)
+    (RESULTS / f"diloco_parity_seeds{_suffix(steps)}.md").write_text(out)
 
 
 def _progress(name: str, r: dict[str, Any]) -> None:
