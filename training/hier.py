@@ -267,43 +267,19 @@ class HierarchicalAllReduce:
         pieces = [pad(s, (0, (-k) % R)).view(R, -1) for s, k in zip(shards, n, strict=True)]
         # (R, P) each; residuals (R + 1, P)
         res = [self.residual(b, p.shape[1]) for b, p in zip(buckets, pieces, strict=True)]
-        peers = topo.peer_ranks(topo.local_rank)  # region j's rank in this cross group
         if self.secure is not None:  # stage 1 masked (training.secagg); not coalesced
             piece, sent = self.secure.scatter_sum(pieces[0], res[0], step, buckets[0])
             summed = [piece]
         else:
             summed, sent = self._scatter_sum(pieces, res, step, buckets)
         # stage 2: the sum of piece me, one payload for every region of the group
-        payloads, mine = [], []
-        for b, piece, r in zip(buckets, summed, res, strict=True):
-            out_to = Address(self.epoch, step, topo.rank, BROADCAST, b, part=me, stage=GATHER)
-            payload, dec = self._encode(piece, r, R, out_to, self._choose("all", piece.numel()))
-            payloads.append(payload)
-            mine.append(dec)
-        framed = frame(payloads)
-        limit = self._limit([m.numel() for m in mine])
-        blobs = self._all_to_all_bytes([b"" if i == me else framed for i in range(R)], [limit] * R)
-        got = {i: unframe(blobs[i], len(buckets), peers[i]) for i in range(R) if i != me}
+        rows = [(r, R) for r in res]
+        decoded, framed = self._broadcast(summed, rows, step, buckets, GATHER)
         out = []
-        for k, (b, own) in enumerate(zip(buckets, mine, strict=True)):
-            P = own.numel()
-            parts = [
-                own
-                if i == me
-                else self._decode(
-                    got[i][k],
-                    Address(self.epoch, step, peers[i], BROADCAST, b, part=i, stage=GATHER),
-                    P,
-                )
-                for i in range(R)
-            ]
+        for k, parts in enumerate(decoded):
             out.append(torch.cat(parts)[: n[k]])
-            self.stats.cross_raw_bytes += 2 * 4 * P * (R - 1)
-        self.stats.cross_wire_bytes += sum(sent) + len(framed) * (R - 1)
-        per_peer = self.stats.per_peer_wire
-        for j in range(R):
-            if j != me:
-                per_peer[j] = per_peer.get(j, 0) + sent[j] + len(framed)
+            self.stats.cross_raw_bytes += 2 * 4 * parts[me].numel() * (R - 1)
+        self._count_wire(sent, framed)
         return out
 
     def _allgather_sum(
@@ -313,38 +289,65 @@ class HierarchicalAllReduce:
         same payload to every region (one key per source, as the gather stage), all
         buckets in one frame and one round. Every region sums the R decoded shards, its
         own too, in region order: all apply bitwise the same sum."""
+        R = self.topo.regions
+        rows = [
+            (self.residual(b, s.numel(), rows=1), 0) for b, s in zip(buckets, shards, strict=True)
+        ]
+        decoded, framed = self._broadcast(shards, rows, step, buckets, ALLGATHER)
+        out = []
+        for parts in decoded:
+            total = torch.zeros_like(parts[0])
+            for part in parts:  # fixed order: every region sums alike
+                total += part
+            out.append(total)
+            self.stats.cross_raw_bytes += 4 * total.numel() * (R - 1)
+        self._count_wire([0] * R, framed)
+        return out
+
+    def _broadcast(
+        self,
+        xs: Sequence[torch.Tensor],
+        rows: Sequence[tuple[torch.Tensor, int]],
+        step: int,
+        buckets: Sequence[int],
+        stage: int,
+    ) -> tuple[list[list[torch.Tensor]], int]:
+        """Each bucket's x, error-fed from its (residuals, row) and encoded once, to every
+        region of the cross group: one payload per bucket under the source's broadcast key,
+        all in one frame and one round. Returns per bucket the R decoded tensors in region
+        order (this rank's own as its receivers decode it), and the frame's bytes."""
         topo = self.topo
         R, me = topo.regions, topo.region_index
         peers = topo.peer_ranks(topo.local_rank)
         payloads, mine = [], []
-        for b, shard in zip(buckets, shards, strict=True):
-            res = self.residual(b, shard.numel(), rows=1)
-            out_to = Address(self.epoch, step, topo.rank, BROADCAST, b, part=me, stage=ALLGATHER)
-            payload, dec = self._encode(shard, res, 0, out_to, self._choose("all", shard.numel()))
+        for b, x, (res, row) in zip(buckets, xs, rows, strict=True):
+            out_to = Address(self.epoch, step, topo.rank, BROADCAST, b, part=me, stage=stage)
+            payload, dec = self._encode(x, res, row, out_to, self._choose("all", x.numel()))
             payloads.append(payload)
             mine.append(dec)
         framed = frame(payloads)
         limit = self._limit([m.numel() for m in mine])
         blobs = self._all_to_all_bytes([b"" if i == me else framed for i in range(R)], [limit] * R)
         got = {i: unframe(blobs[i], len(buckets), peers[i]) for i in range(R) if i != me}
-        out = []
+        decoded = []
         for k, (b, own) in enumerate(zip(buckets, mine, strict=True)):
-            S = own.numel()
-            total = torch.zeros_like(own)
-            for i in range(R):  # fixed order: every region sums alike
-                if i == me:
-                    total += own
-                    continue
-                frm = Address(self.epoch, step, peers[i], BROADCAST, b, part=i, stage=ALLGATHER)
-                total += self._decode(got[i][k], frm, S)  # decode checks the size
-            out.append(total)
-            self.stats.cross_raw_bytes += 4 * S * (R - 1)
-        self.stats.cross_wire_bytes += len(framed) * (R - 1)
-        per_peer = self.stats.per_peer_wire
-        for j in range(R):
+            frm = [
+                Address(self.epoch, step, peers[i], BROADCAST, b, part=i, stage=stage)
+                for i in range(R)
+            ]
+            decoded.append(
+                [own if i == me else self._decode(got[i][k], frm[i], own.numel()) for i in range(R)]
+            )
+        return decoded, len(framed)
+
+    def _count_wire(self, sent: Sequence[int], framed: int) -> None:
+        """Wire bytes of one exchange: `sent[j]` to region j before, then a frame of
+        `framed` bytes to every other region."""
+        me, per_peer = self.topo.region_index, self.stats.per_peer_wire
+        self.stats.cross_wire_bytes += sum(sent) + framed * (self.topo.regions - 1)
+        for j in range(self.topo.regions):
             if j != me:
-                per_peer[j] = per_peer.get(j, 0) + len(framed)
-        return out
+                per_peer[j] = per_peer.get(j, 0) + sent[j] + framed
 
     def _scatter_sum(
         self,
