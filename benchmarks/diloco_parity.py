@@ -220,6 +220,8 @@ def runs() -> list[Run]:
         # the spec's default bucket_mb: one bucket, so a merge's payloads carry 2 headers
         # per peer rather than 2 per bucket (~10% of a ternary merge at this model's size)
         replace(avg, name="H=50 ternary, averaging, 4 MB buckets", quant="ternary", bucket_mb=4.0),
+        # under one cosine schedule the gap follows H (drift), not the codec
+        replace(avg, name="H=25 int4, averaging, cosine", h=25, schedule="cosine"),
     ]
     return out
 
@@ -459,6 +461,11 @@ BOUGHT = (
         "averaging, ternary: quantized once (exchange allgather)",
         "H=50 ternary, averaging",
         "H=50 ternary, averaging, allgather",
+    ),
+    (
+        "averaging, cosine: H 50 -> 25",
+        "H=50 int4, averaging, cosine",
+        "H=25 int4, averaging, cosine",
     ),
     (
         "averaging, ternary: one 4 MB bucket per merge (fewer payload headers)",
