@@ -48,7 +48,7 @@ def _after_exclusion(log: list[dict[str, Any]]) -> int:
 
 @pytest.mark.timeout(150)
 # allreduce: through geotrain train, below
-@pytest.mark.parametrize("case", ["diloco", "diloco-scaffold"])
+@pytest.mark.parametrize("case", ["diloco", "diloco-scaffold", "diloco-allgather"])
 def test_a_region_killed_mid_run_is_left_out_then_heals_and_ends_bitwise_equal(
     run_factory: Any, case: str
 ) -> None:
@@ -58,6 +58,8 @@ def test_a_region_killed_mid_run_is_left_out_then_heals_and_ends_bitwise_equal(
     if sync == "diloco":  # scaffold: the heal carries c and restarts the healer's c_i
         drift = "scaffold" if case.endswith("scaffold") else "none"
         kw["diloco"] = DilocoSpec(every_steps=3, outer_lr=0.7, drift_correction=drift)
+    if case.endswith("allgather"):  # the quorum's syncs exchange whole values, one round
+        kw["exchange"] = "allgather"
     run = run_factory(regions=2, steps=steps, min_replicas=1, **kw)
     for r in (0, 1):
         run.start(r)
