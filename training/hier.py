@@ -29,7 +29,9 @@ link matrix instead (training.topo_exchange): uneven pieces, relays through a th
 With `exchange: allgather` step 2 is one round: each region's shard, error-fed and encoded
 once, goes whole to every region, which sums the R decoded shards (`_allgather_sum`). Half
 the round trips and no second quantization of a sum, for R / 2 times the bytes (the same
-bytes with 2 regions, 1.5x with 3): what a merge of a few MB over 100-300 ms links wants.
+bytes with 2 regions, 1.5x with 3). Measured, it buys the single quantization (ternary
+merges 0.8 points closer to per-step sync), not time: over the lab's 50 Mbit/s links the
+extra bytes cost about the round trip it saves (benchmarks/results/lab_network.md).
 
 Payloads cross through `training.linkprobe.LinkMonitor.exchange`, which times each one into
 its link's bandwidth estimate. With `codec.adaptive` the codec of each payload is chosen

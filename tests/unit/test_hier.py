@@ -102,10 +102,11 @@ class _Tampering(Codec):
         return bytes(b), decoded
 
 
-def _tampered(rank: int, world: int) -> tuple[str, float]:
+def _tampered(rank: int, world: int, allgather: bool) -> tuple[str, float]:
     spec = CodecSpec(quantize="int8", cipher="sm4-gcm")
     codec = _Tampering(spec, KEY) if rank == 2 else Codec(spec, KEY)  # a frankfurt worker
     sync = _sync(rank, "int8", codec=codec)
+    sync.allgather = allgather
     try:
         y = sync.all_reduce(torch.ones(1000), step=3)
     except PayloadRejected:
@@ -115,8 +116,11 @@ def _tampered(rank: int, world: int) -> tuple[str, float]:
     return "applied", y.mean().item()
 
 
-def test_a_tampered_payload_is_rejected_by_its_receivers_and_never_applied() -> None:
-    out = run_world(_tampered, WORLD)
+@pytest.mark.parametrize("allgather", [False, True])
+def test_a_tampered_payload_is_rejected_by_its_receivers_and_never_applied(
+    allgather: bool,
+) -> None:
+    out = run_world(_tampered, WORLD, allgather)
     # rank 2 (frankfurt, local rank 0) sends to ranks 0 and 4: both must reject it
     assert out[0][0] == "rejected" and out[4][0] == "rejected", out
     for status, value in out:
