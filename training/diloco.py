@@ -76,6 +76,15 @@ class Digest(Protocol):
     def update(self, t: torch.Tensor) -> Any: ...
 
 
+@dataclass(frozen=True)
+class Applied:
+    """A merge applied to the global weights: its pseudo-gradient's digest, and which
+    fragment it set (None: the whole model)."""
+
+    digest: Digest
+    fragment: int | None = None
+
+
 @dataclass
 class _InFlight:
     """A fragment's merge between its send and its landing."""
@@ -209,19 +218,19 @@ class DiLoCo:
                 torch._foreach_sub_([p.detach() for p in self.params], self._shift)
 
     # -- merge ------------------------------------------------------------------------
-    def advance(self, step: int, steps: int, new_digest: Callable[[], Digest]) -> list[Digest]:
+    def advance(self, step: int, steps: int, new_digest: Callable[[], Digest]) -> list[Applied]:
         """After step `step`, when a merge is due (`due`, or the agreed clock): run the
         merge, or, streaming, send this step's fragment and land those whose tau steps
-        are over. Returns the digests of the merges applied now (one per fragment)."""
+        are over. Returns the merges applied now (a landing sets one fragment)."""
         if not self.spec.streaming:
             digest = new_digest()
             self.merge(step, digest)
-            return [digest]
+            return [Applied(digest)]
         if step + 1 == steps:  # the end: everything lands, then one blocking full merge
             done = self.settle()
             digest = new_digest()
             self.merge(step, digest)
-            return [*done, digest]
+            return [*done, Applied(digest)]
         for f in self.sends(step):
             self._send(f, step, new_digest())
         done = []
@@ -234,7 +243,7 @@ class DiLoCo:
         out, self.exchange_s = self.exchange_s, []
         return out
 
-    def settle(self) -> list[Digest]:
+    def settle(self) -> list[Applied]:
         """Land every merge in flight now (before a checkpoint: nothing may be in flight,
         and the exchange thread must not touch the residuals being saved)."""
         done = []
@@ -275,7 +284,7 @@ class DiLoCo:
             ]
         )
 
-    def _land(self, m: _InFlight) -> Digest:
+    def _land(self, m: _InFlight) -> Applied:
         """The outer step on fragment m's averaged pseudo-gradient; its local values become
         the new global ones plus `mix` times the local progress since the send."""
         t0 = time.perf_counter()
@@ -301,7 +310,14 @@ class DiLoCo:
                     p.add_(kept[i], alpha=mix)
         self.merges += 1
         self.last_merge = time.monotonic()
-        return m.digest
+        return Applied(m.digest, m.fragment)
+
+    def fragment_params(self, fragment: int | None) -> list[torch.Tensor]:
+        """The global weights a merge sets: fragment `fragment`'s buckets, or every one."""
+        if fragment is None:
+            return self.global_params
+        bs = self.fragments[fragment]
+        return self.global_params[self._first[bs[0]] : self._first[bs[-1] + 1]]
 
     def merge(self, step: int, digest: Digest | None = None) -> None:
         """Average (global - local) across regions, every bucket in one sync, step the

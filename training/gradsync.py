@@ -84,7 +84,7 @@ def merge(job: Job, due: bool, settle: bool) -> bool:
             done = d.advance(job.step, job.spec.steps, hasher)
     if settle:  # only streaming has merges in flight, and it runs without a balance
         done += d.settle()
-    for pg in done:
-        ledger_hooks.merged(job, pg)  # type: ignore[arg-type]  # the hashers made above
+    for applied in done:
+        ledger_hooks.merged(job, applied)
         job.metrics.merges.inc()
     return bool(done)

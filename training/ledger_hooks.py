@@ -23,6 +23,7 @@ from training.session import Control, Session
 from training.spec import LaunchSpec
 
 if TYPE_CHECKING:
+    from training.diloco import Applied
     from training.job import Job
     from training.topology import Topology
 
@@ -118,17 +119,24 @@ def hasher(job: Job) -> TensorHasher:
     return TensorHasher(job.ledger is not None)
 
 
-def merged(job: Job, pseudo_gradient: TensorHasher) -> None:
+def merged(job: Job, applied: Applied) -> None:
     """diloco, after a merge: the region's pseudo-gradient (its buckets in order, as
-    sent) and the merged parameters (the same in every region)."""
+    sent) and the global parameters the merge set, the same in every region: every one,
+    or, for a streaming landing, only its fragment's (named in the entry), which saves
+    hashing the whole model at every landing."""
     if job.ledger is None or job.diloco is None:
         return
     d = job.diloco
+    pg = applied.digest
+    assert isinstance(pg, TensorHasher)  # made by `hasher` above
     subject = {
-        f"pseudo-gradient/{job.topo.region}": {"sm3": pseudo_gradient.hexdigest()},
-        "params": {"sm3": tensors_sm3(d.global_params)},
+        f"pseudo-gradient/{job.topo.region}": {"sm3": pg.hexdigest()},
+        "params": {"sm3": tensors_sm3(d.fragment_params(applied.fragment))},
     }
-    job.ledger.append("merge", subject, step=job.step + 1, merge=d.merges, epoch=_epoch(job))
+    extra = {} if applied.fragment is None else {"fragment": applied.fragment}
+    job.ledger.append(
+        "merge", subject, step=job.step + 1, merge=d.merges, epoch=_epoch(job), **extra
+    )
 
 
 def committed(job: Job, step: int) -> None:

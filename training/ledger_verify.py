@@ -155,9 +155,11 @@ def _names_keys(region: str, entries: list[Entry], keys: dict[str, str]) -> None
 def _cross_check(chains: dict[str, list[Entry]]) -> int:
     """The same config per launch and the same parameters per merge, sync and end,
     whichever region signed them; returns how many such points were compared."""
-    # a point is (kind, launch, step): the launch is the session id of the chain's last
-    # start, which every rank agreed on (epochs restart at 0 after `train --fresh`)
-    seen: dict[tuple[str, str, int], tuple[str, str, int]] = {}
+    # a point is (kind, launch, step, fragment): the launch is the session id of the
+    # chain's last start, which every rank agreed on (epochs restart at 0 after `train
+    # --fresh`); a streaming landing's entry hashes only its fragment's parameters (-1:
+    # the whole model), and fragments may land at the same step
+    seen: dict[tuple[str, str, int, int], tuple[str, str, int]] = {}
     for r, entries in sorted(chains.items()):
         session = ""
         for e in entries:
@@ -166,14 +168,21 @@ def _cross_check(chains: dict[str, list[Entry]]) -> int:
             value = _shared_value(e)
             if value is None:
                 continue
-            point = (e.kind, session, int(e.predicate.get("step", -1)))
+            fragment = e.predicate.get("fragment")
+            point = (
+                e.kind,
+                session,
+                int(e.predicate.get("step", -1)),
+                -1 if fragment is None else int(fragment),
+            )
             first = seen.setdefault(point, (value, r, e.index))
             if first[0] != value:
                 what = "launch-spec" if e.kind == "start" else "params"
                 raise LedgerError(
                     f"ledger {r} entry {e.index}: {e.kind} {what} digest differs from "
                     f"ledger {first[1]} entry {first[2]} (launch {session[:8]}"
-                    f"{f', step {point[2]}' if e.kind != 'start' else ''})"
+                    f"{f', step {point[2]}' if e.kind != 'start' else ''}"
+                    f"{f', fragment {fragment}' if fragment is not None else ''})"
                 )
     ends = {r: next((e for e in reversed(es) if e.kind == "end"), None) for r, es in chains.items()}
     finals = {(e.predicate.get("step"), e.subject["params"].get("sm3")) for e in ends.values() if e}

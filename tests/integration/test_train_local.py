@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from tests.integration.helpers import committed, events, geotrain, small_stack, start
+from training import ledger
 
 pytestmark = pytest.mark.timeout(600)
 NODES = ("bj-0", "fra-0", "sv-0")
@@ -192,6 +193,16 @@ def test_streaming_ternary_merges_report_their_exchanges_and_end_as_one_model(
     digests = {e["step"]: e["digest"] for e in steps if "digest" in e}
     assert set(digests) == {9}, digests
     assert len({e["digest"] for e in steps if "digest" in e}) == 1
+    # each landing signed its own fragment's parameters, the last merge the whole model's,
+    # and every region signed the same ones
+    run_dir = tmp_path / ".geotrain/st"
+    public = ledger.public_from_hex(ledger.pub_path(run_dir, "frankfurt").read_text().strip())
+    chain = ledger.read_chain(ledger.chain_path(run_dir, "frankfurt"), "frankfurt", public)
+    merges = [e.predicate for e in chain if e.kind == "merge"]
+    assert {p.get("fragment") for p in merges} == {0, 1, None}, merges
+    assert [p["step"] for p in merges if "fragment" not in p] == [9], merges
+    ok = geotrain("ledger", "verify", "--stack", str(stack), cwd=tmp_path)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
 
 
 def test_diloco_regions_hold_identical_weights_after_every_merge(tmp_path: Path) -> None:

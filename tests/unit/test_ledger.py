@@ -285,6 +285,36 @@ def test_a_second_run_in_the_same_run_dir_is_cross_checked_on_its_own(run: Path)
     assert v.final and v.cross_checked == 4 + 3  # start, syncs, end; then start, sync, end
 
 
+def _landings(run_dir: Path, poisoned: str | None = None) -> None:
+    """A second launch of streaming merges: fragments 0 and 1 land at step 4, each entry
+    hashing only its fragment's parameters, then one whole-model merge at step 4 too.
+    `poisoned`: the region that signs other parameters for fragment 1."""
+    ledgers = {r: L.Ledger.open(run_dir, run_dir, r, RUN) for r in REGIONS}
+    _start(ledgers)
+    frags = [torch.full((6,), 1.0), torch.full((6,), 2.0)]
+    for r, led in ledgers.items():
+        for f, values in enumerate(frags):
+            bad = r == poisoned and f == 1
+            params = {"sm3": L.tensors_sm3([values + 1 if bad else values])}
+            led.append("merge", {"params": params}, step=4, merge=f + 1, epoch=0, fragment=f)
+        whole = {"sm3": L.tensors_sm3(frags)}
+        led.append("merge", {"params": whole}, step=4, merge=3, epoch=0)
+    _final(run_dir, ledgers, torch.cat(frags))
+
+
+def test_fragments_landing_at_one_step_are_cross_checked_each_on_its_own(run: Path) -> None:
+    """Streaming: a landing signs only its fragment's parameters, so entries of one step
+    are compared per fragment (a whole-model merge at that step is its own point)."""
+    _landings(run)
+    v = verify_run(run)
+    assert v.final and v.cross_checked == 4 + 5  # start, 2 fragments, whole model, end
+
+
+def test_a_region_that_signs_another_fragment_is_named_with_the_fragment(run: Path) -> None:
+    _landings(run, poisoned="silicon-valley")
+    _rejected(run, "ledger silicon-valley entry", "params digest differs", "fragment 1")
+
+
 def test_an_open_chain_is_accepted_only_when_asked(run: Path) -> None:
     for r in REGIONS:
         _write(run, _lines(run, r)[:-1], r)
