@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from training.codec import Address
+from training.codec import Address, Codec
 from training.errors import SpecError, TransientReject
 from training.exchange_plan import (
     DEFAULT_SPEED,
@@ -222,6 +222,13 @@ def frame(payloads: list[bytes]) -> bytes:
     return head + b"".join(payloads)
 
 
+def frame_bound(codec: Codec, numels: list[int]) -> int:
+    """The most bytes `frame` makes of payloads of these sizes (values); 0 for none."""
+    if not numels:
+        return 0
+    return 4 + 4 * len(numels) + sum(codec.max_payload(n) for n in numels)
+
+
 def unframe(blob: bytes, expect: int) -> list[bytes]:
     """The `expect` payloads of a blob; TransientReject on framing that does not match."""
     if expect == 0:
@@ -277,10 +284,11 @@ class _Run:
                 own = dec
             else:
                 out[routes[me][j]].append(payload)
-        got = self._round(out, [self._scatter_first(i) for i in range(R)])
+        got = self._round(out, [[self.sizes[j] for j in self._scatter_first(i)] for i in range(R)])
         mine, forward = self._split_scatter(got)
         if any(k != j for i, k, j in self.plan.relays() if self.sizes[j]):
-            second = self._round(forward, [self._scatter_second(k) for k in range(R)])
+            n = self.sizes[me]  # what a relay forwards me: other regions' parts of my piece
+            second = self._round(forward, [[n] * len(self._scatter_second(k)) for k in range(R)])
             for k in range(R):
                 for i, payload in zip(self._scatter_second(k), second[k], strict=True):
                     mine[i] = payload
@@ -336,7 +344,7 @@ class _Run:
             payload, mine = self._encode(piece, res[lo:hi], to)
             for hop in first_hops(p, me):
                 out[hop].append(payload)
-        got = self._round(out, [[i] if self._gets_first(i) else [] for i in range(R)])
+        got = self._round(out, [[self.sizes[i]] if self._gets_first(i) else [] for i in range(R)])
         held = {i: got[i][0] for i in range(R) if got[i]}
         if any(self.sizes[i] for i, _, _ in p.relays()):
             forward: list[list[bytes]] = [[] for _ in range(R)]
@@ -345,7 +353,9 @@ class _Run:
                     if j not in (i, me) and p.routes[i][j] == me:
                         forward[j].append(held[i])
                         self.owner.relayed_bytes += len(held[i])
-            second = self._round(forward, [self._gather_second(k) for k in range(R)])
+            second = self._round(
+                forward, [[self.sizes[i] for i in self._gather_second(k)] for k in range(R)]
+            )
             for k in range(R):
                 for i, payload in zip(self._gather_second(k), second[k], strict=True):
                     held.setdefault(i, payload)
@@ -405,9 +415,10 @@ class _Run:
         c.decoded += 4 * n
         return out
 
-    def _round(self, out: list[list[bytes]], expect: list[list[int]]) -> list[list[bytes]]:
-        """Send each peer its framed payloads; returns each peer's payloads (as many as
-        `expect` lists for it)."""
+    def _round(self, out: list[list[bytes]], numels: list[list[int]]) -> list[list[bytes]]:
+        """Send each peer its framed payloads; returns each peer's payloads, as many as
+        `numels` lists for it, each of that many values. One round: each peer's frame is
+        received into a buffer of its bound (`frame_bound`), not after a swap of sizes."""
         sync = self.sync
         blobs = [frame(msgs) for msgs in out]
         stats = sync.stats
@@ -415,5 +426,6 @@ class _Run:
             if b:
                 stats.cross_wire_bytes += len(b)
                 stats.per_peer_wire[j] = stats.per_peer_wire.get(j, 0) + len(b)
-        got = sync._all_to_all_bytes(blobs)
-        return [unframe(got[i], len(expect[i])) for i in range(len(blobs))]
+        limits = [frame_bound(sync.codec, n) for n in numels]
+        got = sync._all_to_all_bytes(blobs, limits)
+        return [unframe(got[i], len(numels[i])) for i in range(len(blobs))]

@@ -25,6 +25,7 @@ from training.topo_exchange import TopologyExchange, frame, relayout, unframe
 from training.topology import Topology, make_groups
 
 pytestmark = pytest.mark.timeout(180)
+KEY = bytes(range(32))
 MBIT = 1e6 / 8
 """Bytes/s of one Mbit/s."""
 
@@ -268,3 +269,42 @@ def test_a_region_that_aggregates_nothing_still_gets_the_same_sum() -> None:
         assert all(torch.equal(r["topology"][step], topo) for r in res)
         bound = (res[0]["direct"][step] - true).abs().max().item() * 4 + 1e-6
         assert (topo - true).abs().max().item() < bound
+
+
+def _rounds(rank: int, world: int) -> tuple[int, int]:
+    """(size swaps on the cross-region group, bounded rounds) of one relayed exchange."""
+    import torch.distributed as dist
+
+    import training.linkprobe as lp
+
+    topo = Topology.of(make_spec(REGIONS, 1), rank)
+    groups = make_groups(topo, torch.device("cpu"))
+    sync = HierarchicalAllReduce(topo, groups, Codec(CodecSpec(quantize="int8"), KEY), "run")
+    relayed = ExchangePlan((4, 0, 20), ((0, 2, 2), (2, 1, 2), (0, 1, 2)))
+    sync.planner = TopologyExchange(replan=10**9, plan=relayed, exchanges=1)
+    sync.probe()
+    sync.all_reduce(torch.randn(5000), 0)  # the first: not counted
+    swaps, rounds = [0], [0]
+    real_a2a, real_post = dist.all_to_all_single, lp.post_bounded
+
+    def a2a(*a: Any, **k: Any) -> Any:
+        swaps[0] += k.get("group") is groups.cross
+        return real_a2a(*a, **k)
+
+    def post(*a: Any, **k: Any) -> Any:
+        rounds[0] += 1
+        return real_post(*a, **k)
+
+    dist.all_to_all_single, lp.post_bounded = a2a, post  # type: ignore[assignment]
+    try:
+        sync.all_reduce(torch.randn(5000), 1)
+    finally:
+        dist.all_to_all_single, lp.post_bounded = real_a2a, real_post  # type: ignore[assignment]
+    return swaps[0], rounds[0]
+
+
+def test_a_relayed_exchange_takes_one_round_per_hop_and_swaps_no_sizes() -> None:
+    """Scatter and gather, each a first hop and a relayed second: four bounded rounds,
+    each received into buffers of the codec's bound (over 120-280 ms links a round of
+    sizes first costs as much as the payloads)."""
+    assert run_world(_rounds, REGIONS) == [(0, 4)] * REGIONS
