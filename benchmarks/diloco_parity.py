@@ -27,6 +27,7 @@ import argparse
 import json
 import math
 import sys
+import sysconfig
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -95,6 +96,47 @@ class Setup:
     """Initial weights and data order (0: the main table's); the eval windows stay fixed."""
     model: ModelConfig = MODEL
     """The model every run trains (--dim widens it)."""
+    corpus: str = "pydoc"
+    """pydoc: the stacks' shards (pydoc topics, ~170 KB a region, read up to 6.6 times in
+    3000 steps); stdlib: a third of the Python standard library's modules a region (~4 MB,
+    each window drawn about once; `stdlib_text`)."""
+
+    @property
+    def windows(self) -> int:
+        """Held-out windows each region evaluates: more on the larger corpus, whose
+        held-out tenth spans more modules."""
+        return self.eval_windows if self.corpus == "pydoc" else 8 * self.eval_windows
+
+
+CORPORA = ("pydoc", "stdlib")
+STDLIB_SKIP = {"site-packages", "test", "tests", "idle_test"}
+"""Directories of the standard library left out of the stdlib corpus: not the library's
+own text (installed packages) or mostly test fixtures."""
+
+
+def stdlib_files() -> list[Path]:
+    """The standard library's .py files in path order (the running Python's: the corpus is
+    fixed per Python version, named in the results' header)."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    return [
+        f
+        for f in sorted(root.rglob("*.py"))
+        if not STDLIB_SKIP & set(f.relative_to(root).parts) and f.is_file()
+    ]
+
+
+def stdlib_text(region: int, regions: int) -> bytes:
+    """Region `region`'s shard of the stdlib corpus: the `region`th of `regions` contiguous
+    runs of modules, cut where the running size first reaches its share (non-IID: one
+    region holds asyncio and email, another http and json, another unittest and xml)."""
+    files = stdlib_files()
+    sizes = [f.stat().st_size for f in files]
+    total, run, out = sum(sizes), 0, []
+    for f, n in zip(files, sizes, strict=True):
+        if region * total <= run * regions < (region + 1) * total:
+            out.append(f.read_bytes())
+        run += n
+    return b"\n".join(out)
 
 
 @dataclass(frozen=True)
@@ -127,6 +169,8 @@ class Run:
     """Drift correction: none | scaffold (training.diloco)."""
     h_start: int | None = None
     """Growing H: the first interval, doubling up to h (None: h throughout)."""
+    h_for: int | None = None
+    """Early H: rounds of h_start (not doubling) for this many steps, then h."""
     exchange: str = "direct"
     """Cross-region exchange: direct (reduce-scatter, all-gather) | allgather (each
     region's values quantized once, sent whole)."""
@@ -222,6 +266,22 @@ def runs() -> list[Run]:
         replace(avg, name="H=50 ternary, averaging, 4 MB buckets", quant="ternary", bucket_mb=4.0),
         # under one cosine schedule the gap follows H (drift), not the codec
         replace(avg, name="H=25 int4, averaging, cosine", h=25, schedule="cosine"),
+        # the early rounds' drift is what costs (H=50 with H 25 or 10 late gained nothing):
+        # H=25 for the first third or half of the run, then 50 (every_steps_start_for)
+        replace(
+            avg,
+            name="H=25 for 1000 steps then 50, int4, averaging, cosine",
+            h_start=25,
+            h_for=1000,
+            schedule="cosine",
+        ),
+        replace(
+            avg,
+            name="H=25 for 1500 steps then 50, int4, averaging, cosine",
+            h_start=25,
+            h_for=1500,
+            schedule="cosine",
+        ),
     ]
     return out
 
@@ -254,7 +314,10 @@ def _rank(rank: int, world: int, run: Run, setup: Setup) -> dict[str, Any]:
     spec = make_spec(setup.regions, 1)
     topo = Topology.of(spec, rank)
     groups = make_groups(topo, torch.device("cpu"))
-    text = load_region_text(spec.regions[rank], rank, setup.regions)
+    if setup.corpus == "stdlib":
+        text = stdlib_text(rank, setup.regions)
+    else:
+        text = load_region_text(spec.regions[rank], rank, setup.regions)
     cut = len(text) * 9 // 10  # the last 10%: held out for the eval
     loader = ByteLoader.of(text[:cut], setup.batch, setup.seq_len, 1000 + rank + 100 * setup.seed)
     codec = Codec(CodecSpec(quantize=run.quant, cipher="sm4-gcm"), KEY)
@@ -271,6 +334,7 @@ def _rank(rank: int, world: int, run: Run, setup: Setup) -> dict[str, Any]:
         ds = DilocoSpec(
             every_steps=run.h,
             every_steps_start=run.h_start,
+            every_steps_start_for=run.h_for,
             outer_lr=run.outer_lr,
             outer_momentum=run.outer_momentum,
             warmup_steps=run.warmup,
@@ -298,7 +362,7 @@ def _rank(rank: int, world: int, run: Run, setup: Setup) -> dict[str, Any]:
             if d.due(step, setup.steps):
                 d.advance(step, setup.steps, _NoDigest)
     seconds = time.perf_counter() - t0
-    held = ByteLoader.of(text[cut:], setup.eval_windows, setup.seq_len, 99)
+    held = ByteLoader.of(text[cut:], setup.windows, setup.seq_len, 99)
     with torch.no_grad():
         ev = torch.tensor([model.loss(held.next()).item()])
     dist.all_reduce(ev)  # the mean over regions (a scalar: nothing of the data crosses)
@@ -328,6 +392,7 @@ def measure(run: Run, setup: Setup) -> dict[str, Any]:
         "params": r0["params"],
         "passes": max(r["passes"] for r in per_rank),
         "steps": setup.steps,
+        "corpus": setup.corpus,
     }
 
 
@@ -339,7 +404,8 @@ def table(results: dict[str, dict[str, Any]], setup: Setup) -> str:
         f"non-IID shards, {p:,}-parameter DeepSeekLM, {setup.batch} x {setup.seq_len} bytes "
         "per region per step (equal tokens)",
         "",
-        f"Each region reads its training text (90% of its shard) up to {_passes(results):.1f} "
+        *_corpus_note(setup),
+        f"Each region reads its training text (90% of its shard) up to {_passes(results):.2g} "
         "times over.",
         "",
         "eval: the final model on held-out windows of every region's shard (mean over "
@@ -349,7 +415,8 @@ def table(results: dict[str, dict[str, Any]], setup: Setup) -> str:
         "lr 0.6 (the rule for 3 regions) unless the row says otherwise; averaging: outer "
         "SGD lr 1, momentum 0. Merges: streaming rows count fragment merges (a quarter of "
         "the model each). scaffold: drift_correction scaffold; H=10->50: rounds of 10, 20, "
-        "40, then 50 steps (every_steps_start). One seed per row (diloco_parity_seeds.md: "
+        "40, then 50 steps (every_steps_start); H=25 for N steps then 50: rounds of 25 for "
+        "the first N steps (every_steps_start_for). One seed per row (diloco_parity_seeds.md: "
         "several); wall seconds on a shared 2-core machine, under varying load.",
         "",
         "| run | merges | bytes vs fp32 per step | fewer bytes | eval loss | eval gap | "
@@ -468,6 +535,16 @@ BOUGHT = (
         "H=25 int4, averaging, cosine",
     ),
     (
+        "averaging, cosine: H=25 for the first 1000 steps, then 50",
+        "H=50 int4, averaging, cosine",
+        "H=25 for 1000 steps then 50, int4, averaging, cosine",
+    ),
+    (
+        "averaging, cosine: H=25 for the first 1500 steps, then 50",
+        "H=50 int4, averaging, cosine",
+        "H=25 for 1500 steps then 50, int4, averaging, cosine",
+    ),
+    (
         "averaging, ternary: one 4 MB bucket per merge (fewer payload headers)",
         "H=50 ternary, averaging",
         "H=50 ternary, averaging, 4 MB buckets",
@@ -500,6 +577,20 @@ def bought(results: dict[str, dict[str, Any]]) -> str:
             ga, gb = _gap(results, a), _gap(results, b)
             lines.append(f"| {what} | {ga:+.2f}% | {gb:+.2f}% | {gb - ga:+.2f} |")
     return "\n".join(lines) + "\n"
+
+
+def _corpus_note(setup: Setup) -> list[str]:
+    """The header's line on the corpus, when it is not the stacks' shards."""
+    if setup.corpus == "pydoc":
+        return []
+    sizes = [len(stdlib_text(r, setup.regions)) / 1e6 for r in range(setup.regions)]
+    return [
+        f"Corpus: the Python {sys.version.split()[0]} standard library's modules (.py, "
+        f"tests left out), cut in {setup.regions} contiguous runs of modules, one a region: "
+        f"{', '.join(f'{m:.1f}' for m in sizes)} MB; the eval takes {setup.windows} "
+        "held-out windows a region.",
+        "",
+    ]
 
 
 def _passes(results: dict[str, dict[str, Any]]) -> float:
@@ -539,6 +630,14 @@ def main() -> None:
         "their spread to diloco_parity_seeds.md instead of the main table",
     )
     ap.add_argument(
+        "--corpus",
+        choices=CORPORA,
+        default="pydoc",
+        help="pydoc: the stacks' shards (~170 KB a region, repeated over a run); stdlib: "
+        "a third of the Python standard library a region (~4 MB, hardly repeated); other "
+        "than pydoc, tables are saved to diloco_parity[_seeds]_<corpus>.md",
+    )
+    ap.add_argument(
         "--dim",
         type=int,
         default=MODEL.dim,
@@ -547,13 +646,14 @@ def main() -> None:
     )
     a = ap.parse_args()
     if a.seeds:
-        return spread(a.only or [], a.seeds, a.steps, a.cache)
+        return spread(a.only or [], a.seeds, a.steps, a.cache, a.corpus)
     if a.dim != MODEL.dim and a.cache:
         raise SystemExit(f"--dim {a.dim} with --cache: the cache holds rows of width {MODEL.dim}")
-    setup = Setup(steps=a.steps, model=widened(a.dim))
+    setup = Setup(steps=a.steps, model=widened(a.dim), corpus=a.corpus)
     cached = json.loads(a.cache.read_text()) if a.cache and a.cache.exists() else {}
     # rows of another length are measured again (rows from before "steps": 1000)
     cached = {k: v for k, v in cached.items() if v.get("steps", 1000) == a.steps}
+    cached = {k: v for k, v in cached.items() if v.get("corpus", "pydoc") == a.corpus}
     results: dict[str, dict[str, Any]] = {}
     for run in runs():
         chosen = a.only is None or any(s in run.name for s in a.only)
@@ -570,14 +670,17 @@ def main() -> None:
         RESULTS.mkdir(exist_ok=True)
         (RESULTS / f"diloco_parity_dim{a.dim}.md").write_text(table(results, setup))
         return
-    if len(results) == len(runs()):
+    full = len(results) == len(runs())
+    if full or (a.corpus != "pydoc" and a.only):  # another corpus: the rows chosen
         RESULTS.mkdir(exist_ok=True)
-        (RESULTS / f"diloco_parity{_suffix(a.steps)}.md").write_text(out)
+        (RESULTS / f"diloco_parity{_suffix(a.steps, a.corpus)}.md").write_text(out)
 
 
-def _suffix(steps: int) -> str:
-    """The results file's suffix for a run of `steps` (none at the default length)."""
-    return "" if steps == Setup.steps else f"_steps{steps}"
+def _suffix(steps: int, corpus: str = "pydoc") -> str:
+    """The results file's suffix for a run of `steps` on `corpus` (none at the default
+    length on the stacks' shards)."""
+    length = "" if steps == Setup.steps else f"_steps{steps}"
+    return length + ("" if corpus == "pydoc" else f"_{corpus}")
 
 
 SPREAD = (
@@ -629,38 +732,59 @@ SPREAD = (
         "H=50 ternary, averaging, 4 MB buckets",
     ),
     ("ternary: + scaffold", "H=50 ternary, averaging", "H=50 ternary, averaging, scaffold"),
+    ("cosine: H 50 -> 25", "H=50 int4, averaging, cosine", "H=25 int4, averaging, cosine"),
+    (
+        "cosine: H=25 for the first 1000 steps, then 50",
+        "H=50 int4, averaging, cosine",
+        "H=25 for 1000 steps then 50, int4, averaging, cosine",
+    ),
+    (
+        "cosine: H=25 for the first 1500 steps, then 50",
+        "H=50 int4, averaging, cosine",
+        "H=25 for 1500 steps then 50, int4, averaging, cosine",
+    ),
 )
 """(technique, the row without it, the row with it) compared seed by seed."""
 
 
-def spread(only: list[str], seeds: list[int], steps: int, cache: Path | None = None) -> None:
+def spread(
+    only: list[str], seeds: list[int], steps: int, cache: Path | None = None, corpus: str = "pydoc"
+) -> None:
     """The chosen rows at several seeds: each eval gap against the same seed's allreduce
     int8, their mean and range, and each technique's change seed by seed (one seed's gap
     differences are within about +-2 points of noise; this says how much). With `cache`,
     (row, seed, steps) measured before are taken from it."""
-    chosen = [r for r in runs() if r.name == "allreduce int8" or any(s in r.name for s in only)]
+    refs = {"allreduce int8"}
+    if any("cosine" in s for s in only):  # cosine rows' gaps are to the cosine allreduce
+        refs.add("allreduce int8, cosine")
+    chosen = [r for r in runs() if r.name in refs or any(s in r.name for s in only)]
     gaps: dict[str, dict[int, float]] = {}
     done = json.loads(cache.read_text()) if cache and cache.exists() else {}
     for seed in seeds:
-        setup = Setup(steps=steps, seed=seed)
+        setup = Setup(steps=steps, seed=seed, corpus=corpus)
         got = {}
         for run in chosen:
             key = f"{run.name} | seed {seed} | {steps} steps"
+            key += "" if corpus == "pydoc" else f" | {corpus}"
             if key not in done:
                 done[key] = measure(run, setup)
                 _progress(f"{run.name} (seed {seed})", done[key])
                 if cache:
                     cache.write_text(json.dumps(done, indent=1))
             got[run.name] = done[key]
-        ref = got["allreduce int8"]["eval"]
         for name, r in got.items():
+            cos = "cosine" in name and "allreduce int8, cosine" in got
+            ref = got["allreduce int8, cosine" if cos else "allreduce int8"]["eval"]
             gaps.setdefault(name, {})[seed] = 100 * (r["eval"] - ref) / ref
     cols = " | ".join(f"seed {s}" for s in seeds)
     lines = [
-        f"# DiLoCo parity across seeds: {steps} inner steps, the setup of diloco_parity.md",
+        f"# DiLoCo parity across seeds: {steps} inner steps, the setup of "
+        f"diloco_parity{_suffix(Setup.steps, corpus)}.md",
         "",
-        "Eval gap to the same seed's allreduce int8 (seed: initial weights and data order; "
-        "the held-out windows are the same). Seed 0 is the main table's.",
+        *_corpus_note(Setup(steps=steps, corpus=corpus)),
+        "Eval gap to the same seed's allreduce int8 (cosine rows: to its allreduce int8, "
+        "cosine; seed: initial weights and data order; the held-out windows are the same). "
+        "Seed 0 is the main table's.",
         "",
         f"| run | {cols} | mean | range |",
         "|---|" + "---|" * (len(seeds) + 2),
@@ -678,7 +802,7 @@ def spread(only: list[str], seeds: list[int], steps: int, cache: Path | None = N
     out = "\n".join(lines) + "\n"
     print(out)
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"diloco_parity_seeds{_suffix(steps)}.md").write_text(out)
+    (RESULTS / f"diloco_parity_seeds{_suffix(steps, corpus)}.md").write_text(out)
 
 
 def _progress(name: str, r: dict[str, Any]) -> None:

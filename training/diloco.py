@@ -173,9 +173,14 @@ class DiLoCo:
         return s == steps or (h is not None and self._round_ends(s - w, h))
 
     def _round_ends(self, k: int, h: int) -> bool:
-        """Whether a merge round ends k inner steps after the warm-up: every h steps, or
-        with growing H rounds of every_steps_start, twice that, ... up to h."""
+        """Whether a merge round ends k inner steps after the warm-up: every h steps; with
+        growing H rounds of every_steps_start, twice that, ... up to h; with early H
+        rounds of every_steps_start for every_steps_start_for steps, then every h."""
         t, r = 0, self.spec.every_steps_start or h
+        early = self.spec.every_steps_start_for
+        if early is not None:
+            t = early // r * r  # the early rounds' end: a whole number of them
+            return k % r == 0 if k <= t else (k - t) % h == 0
         while r < h:  # the ramp: a few rounds (log2 of h / start)
             t += r
             if k <= t:

@@ -210,11 +210,21 @@ def quantize_hint(quantize: str, sync: str, drift_correction: str = "none") -> s
     return None
 
 
-def growing_h_problem(every: int | None, start: int | None, streaming: bool) -> str | None:
-    """What is wrong with a growing-H schedule (None: nothing), in the stack's key names
-    (inner_steps_start is the launch spec's every_steps_start)."""
+def growing_h_problem(
+    every: int | None, start: int | None, streaming: bool, start_for: int | None = None
+) -> str | None:
+    """What is wrong with a growing-H or early-H schedule (None: nothing), in the stack's
+    key names (inner_steps_start and inner_steps_start_for are the launch spec's
+    every_steps_start and every_steps_start_for)."""
+    if start_for is not None and start is None:
+        return "inner_steps_start_for needs inner_steps_start: the H of those early steps"
     if start is None:
         return None
+    if start_for is not None and start_for < start:
+        return (
+            f"inner_steps_start_for {start_for} must be >= inner_steps_start ({start}): at "
+            "least one early round"
+        )
     if every is None:
         return "inner_steps_start needs step-based merges; set inner_steps, not interval_minutes"
     if start > every:
@@ -234,6 +244,9 @@ class DilocoSpec:
     every_steps_start: Count | None = None
     """Growing H: the first merge comes this many inner steps in, each next interval twice
     the last, up to every_steps (None: every_steps from the start)."""
+    every_steps_start_for: Count | None = None
+    """Early H: rounds of every_steps_start (not doubling) for this many inner steps after
+    the warm-up (rounded down to whole rounds), then every_steps (None: growing H)."""
     interval_minutes: Positive | None = None
     """Merge every T minutes (None: step-based)."""
     outer_lr: Positive = 0.7
@@ -256,7 +269,9 @@ class DilocoSpec:
     def _streaming_bounds(self) -> DilocoSpec:
         """The streaming and schedule settings' bounds (infra.model.checks says the same for
         the stack)."""
-        problem = growing_h_problem(self.every_steps, self.every_steps_start, self.streaming)
+        problem = growing_h_problem(
+            self.every_steps, self.every_steps_start, self.streaming, self.every_steps_start_for
+        )
         if problem:
             raise ValueError(problem)
         if not self.streaming:

@@ -412,9 +412,12 @@ def _training(m: StackModel, source: str) -> None:
             "never start; lower it or use sync: allreduce",
         )
     streaming = d.fragments > 1 or d.tau > 0
-    problem = growing_h_problem(d.every_steps, d.inner_steps_start, streaming)
+    problem = growing_h_problem(
+        d.every_steps, d.inner_steps_start, streaming, d.inner_steps_start_for
+    )
     if problem:
-        raise _err(source, "training.diloco.inner_steps_start", problem)
+        key = "inner_steps_start_for" if problem.startswith("inner_steps_start_for") else ""
+        raise _err(source, f"training.diloco.{key or 'inner_steps_start'}", problem)
     _streaming(m, source)
     _secure_aggregation(m, source)
     _adaptive(m, source)

@@ -87,6 +87,7 @@ def render_launch_spec(plan: Plan) -> LaunchSpec:
         diloco=DilocoSpec(
             every_steps=t.diloco.every_steps,
             every_steps_start=t.diloco.inner_steps_start,
+            every_steps_start_for=t.diloco.inner_steps_start_for,
             interval_minutes=t.diloco.interval_minutes,
             outer_lr=t.diloco.outer_lr,
             outer_momentum=t.diloco.outer_momentum,

@@ -276,6 +276,33 @@ def test_growing_h_doubles_the_interval_from_the_start_value_up_to_h() -> None:
     assert [s + 1 for s in range(12) if same.due(s, 12)] == [4, 8, 12]
 
 
+def test_early_h_keeps_the_start_interval_for_its_steps_then_h() -> None:
+    """start 3 for 10 steps, H 10, warm-up 1: early rounds of 3 (3 whole ones: the 10
+    steps rounded down to 9), then rounds of 10 counted from there, plus the last step."""
+    spec = DilocoSpec(every_steps=10, every_steps_start=3, every_steps_start_for=10, warmup_steps=1)
+    d = DiLoCo([[torch.nn.Parameter(torch.zeros(2))]], spec, _NoSync())
+    assert [s + 1 for s in range(41) if d.due(s, 41)] == [4, 7, 10, 20, 30, 40, 41]
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"every_steps_start_for": 20}, "inner_steps_start_for needs inner_steps_start"),
+        (
+            {"every_steps_start": 5, "every_steps_start_for": 4},
+            r"inner_steps_start_for 4 must be >= inner_steps_start \(5\)",
+        ),
+        (
+            {"every_steps_start": 5, "every_steps_start_for": 20, "fragments": 2},
+            "cannot be combined with streaming",
+        ),
+    ],
+)
+def test_early_h_settings_it_cannot_run_are_refused(settings: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        DilocoSpec(every_steps=10, **settings)
+
+
 @pytest.mark.parametrize(
     ("settings", "message"),
     [
@@ -303,6 +330,14 @@ def test_stack_growing_h_renders_and_an_inverted_one_is_a_one_line_error(write_s
     )
     assert r.exit_code == 2 and "training.diloco.inner_steps_start" in r.output, r.output
     assert "must be <= inner_steps (5)" in r.output
+    early = _diloco_stack(write_stack, inner_steps_start=2, inner_steps_start_for=6)
+    d = render_launch_spec(build_plan(load_stack(str(early)))).diloco
+    assert (d.every_steps_start, d.every_steps_start_for) == (2, 6)
+    r = CliRunner().invoke(
+        cli, ["validate", "--stack", str(_diloco_stack(write_stack, inner_steps_start_for=6))]
+    )
+    assert r.exit_code == 2 and "training.diloco.inner_steps_start_for" in r.output, r.output
+    assert "needs inner_steps_start" in r.output and len(r.output.strip().splitlines()) == 1
 
 
 def test_validate_hints_at_ternary_where_it_was_measured_to_cost(write_stack: Any) -> None:
