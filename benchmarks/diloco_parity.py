@@ -282,6 +282,17 @@ def runs() -> list[Run]:
             h_for=1500,
             schedule="cosine",
         ),
+        # on a corpus that does not repeat (--corpus stdlib) the first rounds cost most:
+        # H=10 for the first sixth of the run
+        replace(avg, name="H=10 for 500 steps then 50, int4, averaging", h_start=10, h_for=500),
+        replace(
+            avg,
+            name="H=10 for 500 steps then 50, ternary, averaging, 4 MB buckets",
+            quant="ternary",
+            bucket_mb=4.0,
+            h_start=10,
+            h_for=500,
+        ),
     ]
     return out
 
@@ -415,9 +426,10 @@ def table(results: dict[str, dict[str, Any]], setup: Setup) -> str:
         "lr 0.6 (the rule for 3 regions) unless the row says otherwise; averaging: outer "
         "SGD lr 1, momentum 0. Merges: streaming rows count fragment merges (a quarter of "
         "the model each). scaffold: drift_correction scaffold; H=10->50: rounds of 10, 20, "
-        "40, then 50 steps (every_steps_start); H=25 for N steps then 50: rounds of 25 for "
-        "the first N steps (every_steps_start_for). One seed per row (diloco_parity_seeds.md: "
-        "several); wall seconds on a shared 2-core machine, under varying load.",
+        "40, then 50 steps (every_steps_start); H=h for N steps then 50: rounds of h for "
+        "the first N steps (every_steps_start_for). One seed per row "
+        f"(diloco_parity_seeds{_suffix(setup.steps, setup.corpus)}.md: several); wall "
+        "seconds on a shared 2-core machine, under varying load.",
         "",
         "| run | merges | bytes vs fp32 per step | fewer bytes | eval loss | eval gap | "
         "train loss | train gap | wall s |",
@@ -533,6 +545,16 @@ BOUGHT = (
         "averaging, cosine: H 50 -> 25",
         "H=50 int4, averaging, cosine",
         "H=25 int4, averaging, cosine",
+    ),
+    (
+        "averaging: H=10 for the first 500 steps, then 50",
+        "H=50 int4, outer SGD lr 1 (averaging)",
+        "H=10 for 500 steps then 50, int4, averaging",
+    ),
+    (
+        "averaging, ternary, 4 MB buckets: H=10 for the first 500 steps, then 50",
+        "H=50 ternary, averaging, 4 MB buckets",
+        "H=10 for 500 steps then 50, ternary, averaging, 4 MB buckets",
     ),
     (
         "averaging, cosine: H=25 for the first 1000 steps, then 50",
@@ -732,6 +754,23 @@ SPREAD = (
         "H=50 ternary, averaging, 4 MB buckets",
     ),
     ("ternary: + scaffold", "H=50 ternary, averaging", "H=50 ternary, averaging, scaffold"),
+    ("H 50 -> 25 (averaging)", "H=50 int4, outer SGD lr 1 (averaging)", "H=25 int4, averaging"),
+    ("H 50 -> 10 (averaging)", "H=50 int4, outer SGD lr 1 (averaging)", "H=10 int4, averaging"),
+    (
+        "warm-up 100 (H=50, averaging)",
+        "H=50 int4, outer SGD lr 1 (averaging)",
+        "H=50 int4, averaging, warm-up 100",
+    ),
+    (
+        "H=10 for the first 500 steps, then 50 (averaging)",
+        "H=50 int4, outer SGD lr 1 (averaging)",
+        "H=10 for 500 steps then 50, int4, averaging",
+    ),
+    (
+        "ternary, 4 MB: H=10 for the first 500 steps, then 50",
+        "H=50 ternary, averaging, 4 MB buckets",
+        "H=10 for 500 steps then 50, ternary, averaging, 4 MB buckets",
+    ),
     ("cosine: H 50 -> 25", "H=50 int4, averaging, cosine", "H=25 int4, averaging, cosine"),
     (
         "cosine: H=25 for the first 1000 steps, then 50",
