@@ -293,6 +293,15 @@ def runs() -> list[Run]:
             h_start=10,
             h_for=500,
         ),
+        # the same early rounds within 1000x of the bytes over 6000 steps (14 extra merges)
+        replace(
+            avg,
+            name="H=10 for 200 steps then 50, ternary, averaging, 4 MB buckets",
+            quant="ternary",
+            bucket_mb=4.0,
+            h_start=10,
+            h_for=200,
+        ),
     ]
     return out
 
@@ -771,6 +780,11 @@ SPREAD = (
         "H=50 ternary, averaging, 4 MB buckets",
         "H=10 for 500 steps then 50, ternary, averaging, 4 MB buckets",
     ),
+    (
+        "ternary, 4 MB: H=10 for the first 200 steps, then 50",
+        "H=50 ternary, averaging, 4 MB buckets",
+        "H=10 for 200 steps then 50, ternary, averaging, 4 MB buckets",
+    ),
     ("cosine: H 50 -> 25", "H=50 int4, averaging, cosine", "H=25 int4, averaging, cosine"),
     (
         "cosine: H=25 for the first 1000 steps, then 50",
@@ -818,7 +832,7 @@ def spread(
     cols = " | ".join(f"seed {s}" for s in seeds)
     lines = [
         f"# DiLoCo parity across seeds: {steps} inner steps, the setup of "
-        f"diloco_parity{_suffix(Setup.steps, corpus)}.md",
+        f"diloco_parity{_suffix(steps, corpus)}.md",
         "",
         *_corpus_note(Setup(steps=steps, corpus=corpus)),
         "Eval gap to the same seed's allreduce int8 (cosine rows: to its allreduce int8, "
