@@ -172,11 +172,12 @@ def row(res: list[dict[str, Any]], steps: int) -> dict[str, Any]:
 
 NOTES = (
     "Six workers, wireguard-go, FRR and the Python latency relays share 2 cores here: the "
-    "start probe shows the 100 and 200 Mbit/s links carrying about 12-26 Mbit/s per rank, "
+    "start probe (above) shows the 100 and 200 Mbit/s links carrying far less per rank, "
     "so the slow link is 3 Mbit/s. Every plan in force is listed; the default "
-    "`exchange: topology` is the last row (relays allowed). A relay plan costs a second "
-    "round per stage (its size exchange and the relay's forwarding on the shared cores), "
-    "which the planner's model counts only as half the largest RTT."
+    "`exchange: topology` is the last row (relays allowed). Each hop is one round (a frame "
+    "received into a buffer of its codec bound; before, the sizes were swapped first); a "
+    "relay plan costs a second hop per stage (and the relay's forwarding on the shared "
+    "cores), which the planner's model counts only as half the largest RTT."
 )
 """Said under every table (the setting, not the numbers)."""
 
