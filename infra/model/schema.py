@@ -296,8 +296,8 @@ class Diloco(Strict):
     last, up to inner_steps (early rounds drift less; step-based merges only)."""
     inner_steps_start_for: int | None = Field(default=None, ge=1)
     """Early H: rounds of inner_steps_start (not doubling) for this many inner steps after
-    the warm-up, then inner_steps (under an annealed inner lr the early rounds' drift is
-    what costs; benchmarks/results/diloco_parity.md)."""
+    the warm-up, then inner_steps (the first rounds drift most: README, DiLoCo parity;
+    benchmarks/results/diloco_parity_seeds_stdlib.md)."""
     outer_lr: float = Field(default=0.7, gt=0, le=10)
     """Outer Nesterov learning rate."""
     outer_momentum: float = Field(default=0.9, ge=0, lt=1)
