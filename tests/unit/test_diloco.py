@@ -4,6 +4,7 @@ SGD inner optimizer, against per-step all-reduce training of the same model on t
 from __future__ import annotations
 
 import copy
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -14,7 +15,7 @@ from click.testing import CliRunner
 from geotrain.cli import cli
 from training.codec import Codec
 from training.diloco import DiLoCo, outer_hint, suggested_outer_lr
-from training.gradsync import buckets, hierarchical_step
+from training.gradsync import buckets, hierarchical_step, region_average_grads
 from training.hier import HierarchicalAllReduce
 from training.spec import CodecSpec, DilocoSpec, LaunchSpec
 from training.testing import PerBucket, make_spec, run_world
@@ -139,6 +140,28 @@ def test_one_region_diloco_is_no_worse_than_per_step_training() -> None:
     assert ref[0]["loss"] < 0.8 * first  # the per-step run learned: the comparison means something
     assert dl[0]["merged"] == list(range(4, steps + 1, 4))
     assert dl[0]["loss"] <= ref[0]["loss"] * 1.05, (dl[0]["loss"], ref[0]["loss"])
+
+
+def test_a_one_rank_region_keeps_its_inner_gradients_without_a_collective() -> None:
+    """A region of one rank has nothing to average: its gradients are left as they are
+    (no copy in or out, no collective: no process group exists here) and a parameter
+    autograd left without one gets zeros, as the average over a bigger region gives."""
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict({"used": torch.nn.Linear(4, 3), "unused": torch.nn.Linear(4, 3)})
+    model["used"](torch.randn(5, 4)).square().sum().backward()
+    before = {n: p.grad for n, p in model.named_parameters()}
+    values = {n: None if g is None else g.clone() for n, g in before.items()}
+    job = SimpleNamespace(
+        model=model, topo=SimpleNamespace(local_size=1), groups=SimpleNamespace(intra=None)
+    )
+    assert not dist.is_initialized()
+    region_average_grads(job)  # type: ignore[arg-type]
+    for n, p in model.named_parameters():
+        assert p.grad is not None, n
+        if n.startswith("used"):
+            assert p.grad is before[n] and torch.equal(p.grad, values[n]), n
+        else:
+            assert values[n] is None and torch.count_nonzero(p.grad) == 0, n
 
 
 def test_warmup_steps_are_bitwise_all_reduce_steps_then_diloco_starts_from_them() -> None:
