@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 from infra.model.gpus import GPU_TYPES
 from infra.plan import Plan
+from training.diloco import rounds_in
 from training.errors import GeotrainError
 
 SECONDS_PER_DAY = 86_400
@@ -63,6 +64,12 @@ class Inputs:
     """Bits per value the codec sends across regions."""
     stream_tau: int = 5
     """Streaming DiLoCo: steps a fragment may arrive late."""
+    diloco_start: int | None = None
+    """Growing or early H (diloco.inner_steps_start): the first rounds' H."""
+    diloco_start_for: int | None = None
+    """Early H (diloco.inner_steps_start_for): inner steps of rounds of diloco_start."""
+    warmup_steps: int = 0
+    """DiLoCo's warm-up: its first steps sync every step (diloco.warmup_steps)."""
     exchange: str = "direct"
     """The cross-region exchange (training.exchange): allgather sends every value whole."""
 
@@ -107,9 +114,18 @@ def estimate(i: Inputs) -> list[Estimate]:
             per_link = sent * bits / 8
             sync_s = per_link / link_bytes_per_s
             total_bytes = i.regions * (i.regions - 1) * per_link
-        # one sync every `every` steps; streaming hides it behind `overlap` steps
+        # per-step all-reduce syncs every step; DiLoCo its warm-up's steps, then once a round
+        # (growing or early H: more rounds at first); streaming hides a merge behind
+        # `overlap` steps
         exposed = max(0.0, sync_s - overlap * step_compute)
-        wall = steps * step_compute + steps / every * exposed
+        if every == 1:
+            syncs = steps
+            wall = steps * step_compute + steps * exposed
+        else:
+            w = min(float(i.warmup_steps), steps)
+            merges = rounds_in(steps - w, every, i.diloco_start, i.diloco_start_for)
+            syncs = w + merges
+            wall = steps * step_compute + w * sync_s + merges * exposed
         days = wall / SECONDS_PER_DAY
         out.append(
             Estimate(
@@ -117,7 +133,7 @@ def estimate(i: Inputs) -> list[Estimate]:
                 days=days,
                 compute_days=compute_s / SECONDS_PER_DAY,
                 sync_share=(wall - compute_s) / wall if wall else 0.0,
-                tb_per_day=(steps / every) * total_bytes / TB / days if days else 0.0,
+                tb_per_day=syncs * total_bytes / TB / days if days else 0.0,
                 usd=i.gpus * i.usd_per_gpu_hour * wall / 3600,
             )
         )
@@ -161,6 +177,9 @@ def inputs_from_plan(plan: Plan, mfu: float, tokens: float | None = None) -> Inp
         diloco_h=h,
         bits=_bits(t.compression.quantize),
         stream_tau=t.diloco.tau or 5,  # the stack's tau when it streams; else the paper's 5
+        diloco_start=t.diloco.inner_steps_start,
+        diloco_start_for=t.diloco.inner_steps_start_for,
+        warmup_steps=t.diloco.warmup_steps,
         exchange=t.exchange,
     )
 
@@ -219,7 +238,7 @@ def format_plan(i: Inputs, rows: list[Estimate]) -> str:
         f"sync: each of R = {i.regions} regions sends "
         f"{'N x bits' if i.exchange == 'allgather' else '2 x N x bits / R'} bytes on each link "
         f"(slowest {i.link_gbps:g} Gbit/s) per sync; DiLoCo syncs every H = {i.diloco_h} "
-        f"steps; streaming hides a fragment behind tau = {i.stream_tau} steps",
+        f"steps{_early(i)}; streaming hides a fragment behind tau = {i.stream_tau} steps",
         "",
         "| sync mode | days | of which sync | cross-region TB/day | GPU cost (USD) |",
         "|---|---|---|---|---|",
@@ -229,3 +248,15 @@ def format_plan(i: Inputs, rows: list[Estimate]) -> str:
             f"| {r.mode} | {r.days:.1f} | {r.sync_share:.0%} | {r.tb_per_day:.2f} | {r.usd:,.0f} |"
         )
     return "\n".join(lines)
+
+
+def _early(i: Inputs) -> str:
+    """What the DiLoCo rows count besides a merge every H steps."""
+    parts = []
+    if i.warmup_steps:
+        parts.append(f"after {i.warmup_steps} warm-up steps synced every step")
+    if i.diloco_start is not None and i.diloco_start_for is not None:
+        parts.append(f"H = {i.diloco_start} for the first {i.diloco_start_for} inner steps")
+    elif i.diloco_start is not None:
+        parts.append(f"growing from H = {i.diloco_start}")
+    return f" ({'; '.join(parts)})" if parts else ""

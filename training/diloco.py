@@ -76,6 +76,27 @@ class Digest(Protocol):
     def update(self, t: torch.Tensor) -> Any: ...
 
 
+def rounds_in(k: float, h: int, start: int | None = None, start_for: int | None = None) -> float:
+    """Merge rounds in the first k inner steps after the warm-up, the last one counted by
+    the share of it done (a round ends where the whole part grows): rounds of h; with
+    growing H (`start`) rounds of start, twice that, ... up to h; with early H (`start`
+    and `start_for`) rounds of start for start_for steps, rounded down to whole rounds,
+    then of h. The runtime's schedule (DiLoCo._round_ends) and the planner's count of
+    merges (infra.planner) both read it."""
+    if k <= 0:
+        return 0.0
+    r = start or h
+    if start_for is not None:
+        t = start_for // r * r  # the early rounds' end: a whole number of them
+        return min(k, t) / r + max(0.0, k - t) / h
+    n, t = 0, 0
+    while r < h:  # the ramp: a few rounds (log2 of h / start)
+        if k < t + r:
+            return n + (k - t) / r
+        n, t, r = n + 1, t + r, r * 2
+    return n + (k - t) / h
+
+
 @dataclass(frozen=True)
 class Applied:
     """A merge applied to the global weights: its pseudo-gradient's digest, and which
@@ -173,20 +194,9 @@ class DiLoCo:
         return s == steps or (h is not None and self._round_ends(s - w, h))
 
     def _round_ends(self, k: int, h: int) -> bool:
-        """Whether a merge round ends k inner steps after the warm-up: every h steps; with
-        growing H rounds of every_steps_start, twice that, ... up to h; with early H
-        rounds of every_steps_start for every_steps_start_for steps, then every h."""
-        t, r = 0, self.spec.every_steps_start or h
-        early = self.spec.every_steps_start_for
-        if early is not None:
-            t = early // r * r  # the early rounds' end: a whole number of them
-            return k % r == 0 if k <= t else (k - t) % h == 0
-        while r < h:  # the ramp: a few rounds (log2 of h / start)
-            t += r
-            if k <= t:
-                return k == t
-            r *= 2
-        return (k - t) % h == 0
+        """Whether a merge round ends k inner steps after the warm-up (`rounds_in`)."""
+        start, early = self.spec.every_steps_start, self.spec.every_steps_start_for
+        return int(rounds_in(k, h, start, early)) > int(rounds_in(k - 1, h, start, early))
 
     def sends(self, step: int) -> list[int]:
         """Streaming: the fragment sent after step `step` (none, or one: offsets differ)."""

@@ -11,7 +11,9 @@ from geotrain.cli import cli
 from infra.model import load_stack
 from infra.plan import build_plan
 from infra.planner import Inputs, PlanInputError, active_parameters, estimate, inputs_from_plan
+from training.diloco import DiLoCo, rounds_in
 from training.model import preset
+from training.spec import DilocoSpec
 
 BASE = Inputs(
     active_params=7e9,
@@ -44,6 +46,41 @@ def test_diloco_sends_h_times_fewer_bytes_per_step_than_per_step_sync() -> None:
     assert fp32.tb_per_day * fp32.days == pytest.approx(4 * int8.tb_per_day * int8.days)
     assert diloco.tb_per_day * diloco.days == pytest.approx(int8.tb_per_day * int8.days / 100)
     assert fp32.days > int8.days > diloco.days >= diloco.compute_days
+
+
+def test_early_h_and_warm_up_add_their_syncs_to_the_diloco_rows() -> None:
+    """500,000 steps: a warm-up of 1,000 steps synced every step, then H=10 for the first
+    5,000 inner steps (500 merges where H=100 would make 50), then H=100."""
+    steps = 2e12 / 4e6
+    plain = estimate(BASE)[2]
+    early = estimate(dataclasses.replace(BASE, diloco_start=10, diloco_start_for=5000))[2]
+    warm = estimate(dataclasses.replace(BASE, warmup_steps=1000))[2]
+    per_sync = 2 * 2 * 7e9 * 1 / 1e12  # TB, int8 (as in the test above)
+    assert plain.tb_per_day * plain.days == pytest.approx(steps / 100 * per_sync)
+    assert early.tb_per_day * early.days == pytest.approx((steps / 100 + 450) * per_sync)
+    merges = (steps - 1000) / 100
+    assert warm.tb_per_day * warm.days == pytest.approx((1000 + merges) * per_sync)
+    assert warm.days > plain.days and early.days > plain.days
+
+
+@pytest.mark.parametrize(
+    ("start", "start_for", "h", "ends"),
+    [
+        (None, None, 10, [10, 20, 30, 40]),
+        (3, None, 10, [3, 9, 19, 29, 39]),  # growing: 3, 6, then 10
+        (3, 10, 10, [3, 6, 9, 19, 29, 39]),  # early: 3 for 10 steps (9, whole rounds)
+    ],
+)
+def test_the_planner_counts_the_merges_the_runtime_makes(
+    start: int | None, start_for: int | None, h: int, ends: list[int]
+) -> None:
+    """The planner's count of rounds and the runtime's round ends are one schedule."""
+    spec = DilocoSpec(every_steps=h, every_steps_start=start, every_steps_start_for=start_for)
+    d = DiLoCo.__new__(DiLoCo)  # the schedule only: no model, no sync
+    d.spec = spec
+    assert [k for k in range(1, 41) if d._round_ends(k, h)] == ends
+    assert [int(rounds_in(k, h, start, start_for)) for k in ends] == list(range(1, len(ends) + 1))
+    assert rounds_in(40, h, start, start_for) == pytest.approx(len(ends) + (40 - ends[-1]) / h)
 
 
 def test_streaming_hides_a_sync_that_fits_behind_tau_steps() -> None:
