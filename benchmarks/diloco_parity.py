@@ -226,6 +226,18 @@ def runs() -> list[Run]:
             tau=15,
             mix=1.0,
         ),
+        # tau 30: room for the exchange and the regions' drift at the lab's 60-70 ms steps
+        # (lab_network.md, one rank a region)
+        replace(
+            avg, name="H=50 int4, averaging, streaming 4 fragments tau 30", fragments=4, tau=30
+        ),
+        replace(
+            avg,
+            name="H=50 int4, averaging, streaming 4 fragments tau 30 mix 0.5",
+            fragments=4,
+            tau=30,
+            mix=0.5,
+        ),
         replace(avg, name="H=50 int4, averaging, warm-up 20", warmup=20),
         replace(base, name="H=50 int4, outer lr 0.2", outer_lr=0.2),
         # the floor of merging AdamW replicas: their updates averaged after every step
@@ -511,6 +523,16 @@ BOUGHT = (
         "H=50 int4, averaging, streaming 4 fragments tau 15 mix 1",
     ),
     (
+        "averaging, streaming: tau 15 -> 30",
+        "H=50 int4, averaging, streaming 4 fragments tau 15",
+        "H=50 int4, averaging, streaming 4 fragments tau 30",
+    ),
+    (
+        "averaging, streaming tau 30: mix 0 -> 0.5",
+        "H=50 int4, averaging, streaming 4 fragments tau 30",
+        "H=50 int4, averaging, streaming 4 fragments tau 30 mix 0.5",
+    ),
+    (
         "averaging + scaffold drift correction",
         AVG + " lr 1 (averaging)",
         "H=50 int4, averaging, scaffold",
@@ -654,6 +676,12 @@ def main() -> None:
         "--seeds, rows at each seed)",
     )
     ap.add_argument(
+        "--table-only",
+        action="store_true",
+        help="measure nothing: redraw the table (or, with --seeds, the seeds table) from the "
+        "rows in --cache; rows not there are left out",
+    )
+    ap.add_argument(
         "--seeds",
         type=int,
         nargs="+",
@@ -676,8 +704,14 @@ def main() -> None:
         "diloco_parity_dim<D>.md next to the allreduce int8 row at that width",
     )
     a = ap.parse_args()
+    if a.table_only and not (a.cache and a.cache.exists()):
+        raise SystemExit(
+            f"--table-only redraws from the rows in --cache, and --cache {a.cache} "
+            + ("is not there" if a.cache else "is not given")
+            + ": give the JSON file an earlier run with --cache wrote"
+        )
     if a.seeds:
-        return spread(a.only or [], a.seeds, a.steps, a.cache, a.corpus)
+        return spread(a.only or [], a.seeds, a.steps, a.cache, a.corpus, a.table_only)
     if a.dim != MODEL.dim and a.cache:
         raise SystemExit(f"--dim {a.dim} with --cache: the cache holds rows of width {MODEL.dim}")
     setup = Setup(steps=a.steps, model=widened(a.dim), corpus=a.corpus)
@@ -688,7 +722,10 @@ def main() -> None:
     results: dict[str, dict[str, Any]] = {}
     for run in runs():
         chosen = a.only is None or any(s in run.name for s in a.only)
-        if run.name in cached and not (a.only and chosen):
+        if a.table_only:
+            if run.name in cached:
+                results[run.name] = cached[run.name]
+        elif run.name in cached and not (a.only and chosen):
             results[run.name] = cached[run.name]
         elif chosen or run.name == "allreduce int8":  # the reference of every gap
             results[run.name] = measure(run, setup)
@@ -702,7 +739,7 @@ def main() -> None:
         (RESULTS / f"diloco_parity_dim{a.dim}.md").write_text(table(results, setup))
         return
     full = len(results) == len(runs())
-    if full or (a.corpus != "pydoc" and a.only):  # another corpus: the rows chosen
+    if full or (a.corpus != "pydoc" and (a.only or a.table_only)):  # another: rows chosen
         RESULTS.mkdir(exist_ok=True)
         (RESULTS / f"diloco_parity{_suffix(a.steps, a.corpus)}.md").write_text(out)
 
@@ -787,6 +824,21 @@ SPREAD = (
     ),
     ("cosine: H 50 -> 25", "H=50 int4, averaging, cosine", "H=25 int4, averaging, cosine"),
     (
+        "streaming, 4 fragments, tau 15 (H=50, averaging)",
+        "H=50 int4, outer SGD lr 1 (averaging)",
+        "H=50 int4, averaging, streaming 4 fragments tau 15",
+    ),
+    (
+        "streaming: tau 15 -> 30 (averaging)",
+        "H=50 int4, averaging, streaming 4 fragments tau 15",
+        "H=50 int4, averaging, streaming 4 fragments tau 30",
+    ),
+    (
+        "streaming tau 30: mix 0 -> 0.5 (averaging)",
+        "H=50 int4, averaging, streaming 4 fragments tau 30",
+        "H=50 int4, averaging, streaming 4 fragments tau 30 mix 0.5",
+    ),
+    (
         "cosine: H=25 for the first 1000 steps, then 50",
         "H=50 int4, averaging, cosine",
         "H=25 for 1000 steps then 50, int4, averaging, cosine",
@@ -801,24 +853,42 @@ SPREAD = (
 
 
 def spread(
-    only: list[str], seeds: list[int], steps: int, cache: Path | None = None, corpus: str = "pydoc"
+    only: list[str],
+    seeds: list[int],
+    steps: int,
+    cache: Path | None = None,
+    corpus: str = "pydoc",
+    table_only: bool = False,
 ) -> None:
     """The chosen rows at several seeds: each eval gap against the same seed's allreduce
     int8, their mean and range, and each technique's change seed by seed (one seed's gap
     differences are within about +-2 points of noise; this says how much). With `cache`,
-    (row, seed, steps) measured before are taken from it."""
+    (row, seed, steps) measured before are taken from it; `table_only`: rows (and with no
+    `only`, every row) the cache holds at every seed, nothing measured."""
     refs = {"allreduce int8"}
     if any("cosine" in s for s in only):  # cosine rows' gaps are to the cosine allreduce
         refs.add("allreduce int8, cosine")
-    chosen = [r for r in runs() if r.name in refs or any(s in r.name for s in only)]
-    gaps: dict[str, dict[int, float]] = {}
+    every = table_only and not only
+    chosen = [r for r in runs() if every or r.name in refs or any(s in r.name for s in only)]
     done = json.loads(cache.read_text()) if cache and cache.exists() else {}
+
+    def key_of(name: str, seed: int) -> str:
+        key = f"{name} | seed {seed} | {steps} steps"
+        return key + ("" if corpus == "pydoc" else f" | {corpus}")
+
+    if table_only:  # only rows measured at every seed
+        chosen = [r for r in chosen if all(key_of(r.name, s) in done for s in seeds)]
+        if "allreduce int8" not in {r.name for r in chosen}:
+            raise SystemExit(
+                f"--table-only: {cache} has no allreduce int8 row at every seed of "
+                f"{' '.join(map(str, seeds))} ({steps} steps, {corpus}); measure it first"
+            )
+    gaps: dict[str, dict[int, float]] = {}
     for seed in seeds:
         setup = Setup(steps=steps, seed=seed, corpus=corpus)
         got = {}
         for run in chosen:
-            key = f"{run.name} | seed {seed} | {steps} steps"
-            key += "" if corpus == "pydoc" else f" | {corpus}"
+            key = key_of(run.name, seed)
             if key not in done:
                 done[key] = measure(run, setup)
                 _progress(f"{run.name} (seed {seed})", done[key])

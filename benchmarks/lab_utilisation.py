@@ -9,8 +9,8 @@ steps (each costs several round trips over 60-90 ms links) than the DiLoCo modes
 need enough steps for several merges:
 - allreduce int8: every step's gradient crosses the WAN;
 - diloco H=50 int4: a merge every 50 steps;
-- streaming diloco H=50 int4 (fragments, tau): each fragment's merge overlaps tau inner
-  steps, when the runtime has the settings (`geotrain validate` accepts them).
+- streaming diloco H=50 int4 (fragments, tau 5, 15 and 30): each fragment's merge
+  overlaps tau inner steps.
 
 With `--ranks-per-region 1` each region's pool is trimmed to its first node (its gateway,
 one rank), as tests/integration/test_lab_region_cut.py does: no in-region gradient
@@ -20,9 +20,11 @@ compute (`compute_s`), cross-region sync (`sync_s`) and the rest of the wall tim
 in-region all-reduce, the step report, checkpoint, the time between steps).
 
 Run: sudo .venv/bin/python benchmarks/lab_utilisation.py [--steps 150] [--allreduce-steps
-20] [--ranks-per-region 2]. Prints a table and writes it as its ranks-per-region table of
-the "Compute utilisation" section of benchmarks/results/lab_network.md; the other
-ranks-per-region table there and the rest of that file (benchmarks/lab_network.py) are kept.
+20] [--ranks-per-region 2] [--batch N] [--only MODE ...]. Prints a table and writes it as
+its ranks-per-region table of the "Compute utilisation" section of
+benchmarks/results/lab_network.md; the other ranks-per-region table there and the rest of
+that file (benchmarks/lab_network.py) are kept. With --only the chosen modes run and the
+table is printed, not saved.
 """
 
 from __future__ import annotations
@@ -57,6 +59,13 @@ MODES: dict[str, dict[str, Any]] = {
     "streaming diloco H=50 int4, 3 fragments, tau 15": {
         "sync": "diloco",
         "diloco": {"inner_steps": 50, "fragments": 3, "tau": 15},
+        "compression": INT4,
+    },
+    # tau 30 of the stack's 60-70 ms steps (about 2 s): room for the exchange and for the
+    # regions' drift (a region's exchange ends when the last region has sent its part)
+    "streaming diloco H=50 int4, 3 fragments, tau 30": {
+        "sync": "diloco",
+        "diloco": {"inner_steps": 50, "fragments": 3, "tau": 30},
         "compression": INT4,
     },
 }
@@ -250,7 +259,16 @@ def main() -> None:
     ap.add_argument(
         "--batch", type=int, default=None, help="sequences per rank (default: the stack's)"
     )
+    ap.add_argument(
+        "--only",
+        nargs="+",
+        help="run only the modes whose name contains one of these; prints the table and "
+        "leaves the results file as it is",
+    )
     a = ap.parse_args()
+    modes = {k: v for k, v in MODES.items() if not a.only or any(x in k for x in a.only)}
+    if not modes:
+        raise SystemExit(f"--only {' '.join(a.only)}: no mode matches; modes: {', '.join(MODES)}")
     if a.batch is not None and a.batch < 1:
         raise SystemExit(f"--batch {a.batch}: give a number of sequences per rank, 1 or more")
     sys.path.insert(0, str(ROOT))
@@ -277,7 +295,7 @@ def main() -> None:
             name: run_mode(
                 doc, s, a.allreduce_steps if s["sync"] == "allreduce" else a.steps, a.batch
             )
-            for name, s in MODES.items()
+            for name, s in modes.items()
         }
     finally:
         lab.lab_down(plan, state)
@@ -306,6 +324,9 @@ def main() -> None:
             *table(results),
         ]
     )
+    if a.only:
+        print(sub)
+        return
     old = RESULTS.read_text() if RESULTS.exists() else ""
     head, _, old_section = old.partition(SECTION)
     subs = subsections(old_section)
