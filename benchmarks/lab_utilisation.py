@@ -30,11 +30,15 @@ table is printed, not saved.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
+import os
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -106,8 +110,96 @@ NOTES = (
     "however long it is. With the stack's batch (4 x 64 tokens, about 65 ms of compute per "
     "step) what is left per step (the merges' round trips, the step's own work) weighs as "
     "much as compute; batch 16 (about 0.19 s per step) is closer to the seconds-long steps "
-    "of the runs the issue cites.\n"
+    "of the runs the issue cites. (6) A region of one rank skips the in-region gradient "
+    "average and the step report's in-region all-reduce (a copy of every gradient in and "
+    "out): the DiLoCo modes' other time per step at batch 4 went from 0.010-0.012 s to "
+    "0.003-0.008 s. "
+    "(7) tau 30 rows: room for the exchange and for the regions' drift. Uncapped, the three "
+    "workers' speeds wander apart as they share the cores (the last column: how far apart "
+    "the regions' clocks are at the same step), and whoever is ahead waits, at a landing or "
+    "at the control gather, whichever comes first. With the control flags applied 4 control "
+    "rounds late instead of 2 (CONTROL_LATE edited, tau 30, two 300-step runs each, region "
+    "medians), other time inside the step fell from 0.005-0.008 s to 0.003 s and sync time rose "
+    "from 0.004-0.009 s to 0.013-0.014 s: the waits moved, they did not go. "
+    "(8) The 'cores per region' table holds each region's workers to an equal CPU quota "
+    "(--cpu-per-region, a cgroup per region), as separate machines would be: a region that "
+    "waits does not lend its core to the others. The regions then stay closer together, "
+    "and a step's compute takes longer than uncapped (the compute column), which the "
+    "utilisation reads in its favour.\n"
 )
+
+
+CGROUP = Path("/sys/fs/cgroup")
+
+
+class CpuCaps:
+    """Each region's workers held to `cores` of CPU time, as if each region had machines of
+    its own: a region that waits does not lend its core to the others, and one that gets
+    more of the shared cores does not run ahead (uncapped, the three workers' speeds wander
+    apart by about a second of steps, and whoever is ahead waits at the next landing or
+    control gather). A cgroup per region with a CFS quota (cgroup v2 cpu.max, or v1's
+    cpu.cfs_quota_us); the regions' worker processes (found in their nodes' network
+    namespaces) are moved into it as they start. The network (wireguard-go, FRR, the delay
+    relays) keeps the rest of the machine, uncapped."""
+
+    PERIOD_US = 100_000
+
+    def __init__(self, plan: Any, cores: float) -> None:
+        if (CGROUP / "cgroup.controllers").exists():  # v2
+            root, quota = CGROUP, "cpu.max"
+            ctl = root / "cgroup.subtree_control"
+            if "cpu" not in ctl.read_text().split():
+                ctl.write_text("+cpu")
+        elif (CGROUP / "cpu" / "cpu.cfs_quota_us").exists():  # v1
+            root, quota = CGROUP / "cpu", "cpu.cfs_quota_us"
+        else:
+            raise SystemExit(
+                f"--cpu-per-region: no cgroup cpu controller at {CGROUP} (cgroup.controllers "
+                "or cpu/cpu.cfs_quota_us); run without it, or mount cgroups"
+            )
+        us = int(cores * self.PERIOD_US)
+        self.groups: dict[str, Path] = {}
+        for r in plan.regions:
+            g = root / f"geotrain-util-{r.name}"
+            g.mkdir(exist_ok=True)
+            if quota == "cpu.max":
+                (g / quota).write_text(f"{us} {self.PERIOD_US}")
+            else:
+                (g / "cpu.cfs_period_us").write_text(str(self.PERIOD_US))
+                (g / quota).write_text(str(us))
+            for n in r.nodes:
+                self.groups[str(n.netns)] = g
+        self.moved: set[str] = set()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(0.2):
+            for ns, g in self.groups.items():
+                pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True)
+                for pid in pids.stdout.split():
+                    if pid in self.moved:
+                        continue
+                    try:
+                        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+                    except OSError:  # gone
+                        continue
+                    if b"training.worker" in cmd and b"torch.distributed.run" not in cmd:
+                        with contextlib.suppress(OSError):  # it may exit meanwhile
+                            (g / "cgroup.procs").write_text(pid)
+                            self.moved.add(pid)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        for g in set(self.groups.values()):  # empty once the workers have exited
+            for _ in range(50):
+                try:
+                    g.rmdir()
+                    break
+                except OSError:
+                    time.sleep(0.1)
 
 
 def _geotrain(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
@@ -168,6 +260,12 @@ def run_mode(
         control = [v for k, v in inside.items() if k % CONTROL_EVERY == 0]
         split["other_control"].append(statistics.mean(control) if control else float("nan"))
     wall_s = max(e["t"] for e in steps_ev) - min(e["t"] - e["step_s"] for e in steps_ev)
+    # drift: how far apart the regions' clocks are at the same step (whoever is ahead
+    # waits for the others at the next landing or control gather)
+    at: dict[int, list[float]] = {}
+    for e in steps_ev:
+        at.setdefault(e["step"], []).append(e["t"])
+    drift = [max(ts) - min(ts) for ts in at.values() if len(ts) == len(util)]
     # streaming: each landed fragment's exchange on its background thread, against the
     # tau steps it had (tau x the median step's wall time)
     exchanges = sorted(x for e in steps_ev for x in e.get("exchange_s", ()))
@@ -178,6 +276,7 @@ def run_mode(
             (statistics.median(exchanges), exchanges[-1], tau * step_s) if exchanges else None
         ),
         "utilisation": statistics.median(util.values()),
+        "drift_s": statistics.median(drift) if drift else float("nan"),
         "steady": statistics.median(steady.values()),
         "per_region": util,
         "wall_s": wall_s,
@@ -210,12 +309,13 @@ def table(results: dict[str, dict[str, Any]]) -> list[str]:
     lines = [
         "| mode | utilisation | without the last step | per region | compute per step (s) | "
         "sync per step (s) | other per step (s) | wall per step (s) | "
-        "cross-region MB per step | fragment exchange (s): median, max; tau steps (s) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "cross-region MB per step | fragment exchange (s): median, max; tau steps (s) | "
+        "regions apart at a step (s, median) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, r in results.items():
         if "skipped" in r:
-            lines.append(f"| {name} | not run: {r['skipped']} | | | | | | | | |")
+            lines.append(f"| {name} | not run: {r['skipped']} | | | | | | | | | |")
             continue
         per = ", ".join(f"{k} {v:.0%}" for k, v in r["per_region"].items())
         ex = "-" if r["exchange"] is None else "{:.2f}, {:.2f}; {:.2f}".format(*r["exchange"])
@@ -225,7 +325,8 @@ def table(results: dict[str, dict[str, Any]]) -> list[str]:
             f"{r['sync_s']:.3f} | {r['other_s']:.3f} (median {r['other_median_s']:.3f}, "
             f"every {CONTROL_EVERY}th {r['other_control_s']:.3f}, "
             f"between steps {r['between_s']:.3f}) | "
-            f"{r['wall_s'] / r['steps']:.2f} | {r['cross_mb'] / r['steps']:.2f} | {ex} |"
+            f"{r['wall_s'] / r['steps']:.2f} | {r['cross_mb'] / r['steps']:.2f} | {ex} | "
+            f"{r['drift_s']:.2f} |"
         )
     return lines
 
@@ -260,6 +361,14 @@ def main() -> None:
         "--batch", type=int, default=None, help="sequences per rank (default: the stack's)"
     )
     ap.add_argument(
+        "--cpu-per-region",
+        type=float,
+        default=None,
+        metavar="CORES",
+        help="hold each region's workers to this much CPU time (a cgroup quota), as if each "
+        "region had its own machines; e.g. 0.55 with 3 regions on 2 cores",
+    )
+    ap.add_argument(
         "--only",
         nargs="+",
         help="run only the modes whose name contains one of these; prints the table and "
@@ -269,6 +378,11 @@ def main() -> None:
     modes = {k: v for k, v in MODES.items() if not a.only or any(x in k for x in a.only)}
     if not modes:
         raise SystemExit(f"--only {' '.join(a.only)}: no mode matches; modes: {', '.join(MODES)}")
+    if a.cpu_per_region is not None and not 0.01 <= a.cpu_per_region <= (os.cpu_count() or 1):
+        raise SystemExit(
+            f"--cpu-per-region {a.cpu_per_region}: give the cores each region's workers may "
+            f"use, 0.01 to {os.cpu_count()} (this machine's)"
+        )
     if a.batch is not None and a.batch < 1:
         raise SystemExit(f"--batch {a.batch}: give a number of sequences per rank, 1 or more")
     sys.path.insert(0, str(ROOT))
@@ -289,20 +403,30 @@ def main() -> None:
         plan = build_plan(load_stack(str(stack)))
     state = ROOT / ".geotrain" / "lab" / "lab"
     lab.lab_up(plan, state)
+    caps = None
     try:
         rtts = round_trips(plan)
-        results = {
-            name: run_mode(
-                doc, s, a.allreduce_steps if s["sync"] == "allreduce" else a.steps, a.batch
-            )
-            for name, s in modes.items()
-        }
+        caps = CpuCaps(plan, a.cpu_per_region) if a.cpu_per_region else None
+        results = {}
+        for name, s in modes.items():
+            before = len(caps.moved) if caps else 0
+            steps = a.allreduce_steps if s["sync"] == "allreduce" else a.steps
+            results[name] = run_mode(doc, s, steps, a.batch)
+            held = len(caps.moved) - before if caps else 0
+            if caps and "skipped" not in results[name] and held < len(plan.nodes):
+                results[name] = {
+                    "skipped": f"the CPU caps held {held} of its {len(plan.nodes)} workers"
+                }
     finally:
+        if caps is not None:
+            caps.close()
         lab.lab_down(plan, state)
     n = a.ranks_per_region
     t = doc["config"]["geotrain:training"]
-    key = f"{n} rank{'s' if n > 1 else ''} per region" + (
-        f", batch {a.batch}" if a.batch is not None else ""
+    key = (
+        f"{n} rank{'s' if n > 1 else ''} per region"
+        + (f", batch {a.batch}" if a.batch is not None else "")
+        + (f", {a.cpu_per_region:g} cores per region" if a.cpu_per_region else "")
     )
     lowered = (a.steps, a.allreduce_steps) != (DEFAULT_STEPS, DEFAULT_ALLREDUCE_STEPS)
     sub = "\n".join(
@@ -315,6 +439,13 @@ def main() -> None:
             + (
                 f" (not the defaults {DEFAULT_ALLREDUCE_STEPS} and {DEFAULT_STEPS})"
                 if lowered
+                else ""
+            )
+            + (
+                f". Each region's workers held to {a.cpu_per_region:g} cores of CPU time "
+                "(CpuCaps: a cgroup quota per region, as if each had machines of its own; "
+                "the network keeps the rest of the machine)"
+                if a.cpu_per_region
                 else ""
             )
             + ". Round trips over the overlay between the regions' ranks: "
