@@ -179,6 +179,14 @@ class Run:
     default, 4 MB, holds this whole model in one bucket: fewer payload headers)."""
 
 
+def streamed(avg: Run, tau: int, mix: float = 0.0) -> Run:
+    """Plain averaging at H=50, int4, streamed in 4 fragments landing tau steps late."""
+    name = f"H=50 int4, averaging, streaming 4 fragments tau {tau}" + (
+        f" mix {mix:g}" if mix else ""
+    )
+    return replace(avg, name=name, fragments=4, tau=tau, mix=mix)
+
+
 def runs() -> list[Run]:
     out = [Run("allreduce int8", sync="allreduce", quant="int8")]
     for h in (25, 50, 100):
@@ -206,38 +214,16 @@ def runs() -> list[Run]:
         replace(avg, name="H=100 int4, averaging", h=100),
         replace(avg, name="H=50 int4, averaging, warm-up 100", warmup=100),
         replace(avg, name="H=50 int4, averaging, cosine", schedule="cosine"),
-        replace(avg, name="H=50 int4, averaging, streaming 4 fragments tau 5", fragments=4, tau=5),
+        streamed(avg, 5),
         # tau long enough to cover a fragment's exchange over the lab's links (lab_network.md)
-        replace(
-            avg, name="H=50 int4, averaging, streaming 4 fragments tau 15", fragments=4, tau=15
-        ),
+        streamed(avg, 15),
         # mix 0 drops the progress a fragment made in flight: 15 of every 50 steps' at tau 15
-        replace(
-            avg,
-            name="H=50 int4, averaging, streaming 4 fragments tau 15 mix 0.5",
-            fragments=4,
-            tau=15,
-            mix=0.5,
-        ),
-        replace(
-            avg,
-            name="H=50 int4, averaging, streaming 4 fragments tau 15 mix 1",
-            fragments=4,
-            tau=15,
-            mix=1.0,
-        ),
+        streamed(avg, 15, mix=0.5),
+        streamed(avg, 15, mix=1.0),
         # tau 30: room for the exchange and the regions' drift at the lab's 60-70 ms steps
         # (lab_network.md, one rank a region)
-        replace(
-            avg, name="H=50 int4, averaging, streaming 4 fragments tau 30", fragments=4, tau=30
-        ),
-        replace(
-            avg,
-            name="H=50 int4, averaging, streaming 4 fragments tau 30 mix 0.5",
-            fragments=4,
-            tau=30,
-            mix=0.5,
-        ),
+        streamed(avg, 30),
+        streamed(avg, 30, mix=0.5),
         replace(avg, name="H=50 int4, averaging, warm-up 20", warmup=20),
         replace(base, name="H=50 int4, outer lr 0.2", outer_lr=0.2),
         # the floor of merging AdamW replicas: their updates averaged after every step
