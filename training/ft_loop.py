@@ -62,6 +62,7 @@ def setup(
         events=events,
         node=node.name,
         control=Control(key, session, "steps"),
+        grads=gs.GradBuffer.of(model),
     )
     ckpt.on_commit = lambda step: job.emit("committed", node=node.name, step=step)
     if spec.sync == "diloco":
@@ -140,14 +141,14 @@ def all_reduce_grads(job: Job, q: Quorum) -> None:
     """allreduce mode and DiLoCo's warm-up: every bucket through the quorum's sync; the
     gradients are replaced only once the round commits (a failed round runs again)."""
     buckets = gs.buckets(list(job.model.parameters()), job.spec.bucket_mb)
-    flats = [gs.flat_grads(p) for p in buckets]
+    flats = [gs.flat_grads(p, job.grads) for p in buckets]
 
     def exchange(sync: HierarchicalAllReduce) -> list[torch.Tensor]:
         return sync.all_reduce_many(flats, job.step, list(range(len(flats))))
 
     synced = q.round(exchange, lambda why: failed(job, why))
     for params, avg in zip(buckets, synced, strict=True):
-        gs.scatter(avg, gs.grads_of(params))
+        gs.put(params, avg, job.grads)
 
 
 def merge(job: Job, q: Quorum) -> None:
@@ -184,7 +185,7 @@ def train_step(job: Job, q: Quorum) -> None:
         finish(job, q, float("nan"), t0, before, merge_due=True, compute=0.0)
         return
     tokens = job.loader.next()
-    job.opt.zero_grad(set_to_none=True)
+    gs.zero_grads(job)
     c0 = time.perf_counter()  # compute: forward, backward, optimizer (utilisation)
     loss = job.model.loss(tokens)
     loss.backward()

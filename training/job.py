@@ -22,7 +22,7 @@ from training.codec import Codec
 from training.data import ByteLoader, load_region_text
 from training.diloco import DiLoCo
 from training.errors import DataError, HostileReject, PayloadRejected, SpecError
-from training.gradsync import buckets
+from training.gradsync import GradBuffer, buckets
 from training.hier import HierarchicalAllReduce
 from training.keys import load_key
 from training.ledger import Ledger
@@ -72,6 +72,9 @@ class Job:
     """DP-SGD of this rank's region (None: the region has no privacy settings)."""
     balance: Balancer | None = None
     """Throughput balance of the batch per rank (None: `balance: off`)."""
+    grads: GradBuffer | None = None
+    """The gradients as views of one flat tensor (training.gradsync.zero_grads); None with
+    DP-SGD, which sets its own."""
 
     @property
     def leader(self) -> bool:
@@ -222,6 +225,7 @@ def setup(
         control=Control(key, session, "steps"),
         privacy=privacy,
         balance=balance.for_job(spec, topo, Control(key, session, "balance")),
+        grads=GradBuffer.of(model) if privacy is None else None,
     )
     job.metrics.reject(previous_rejects(events, rank))  # the count survives restarts
     job.ledger = ledger_hooks.open_for(spec, topo, key, session, run_dir, node.name)

@@ -17,7 +17,7 @@ from training import balance, ledger_hooks
 from training.errors import (
     PayloadRejected,
 )
-from training.gradsync import merge, region_average_grads, sync_grads
+from training.gradsync import merge, region_average_grads, sync_grads, zero_grads
 from training.job import Job, rejected, setup
 from training.privacy import (
     Stop,
@@ -96,7 +96,7 @@ def train_step(job: Job) -> None:
     t0 = time.perf_counter()
     sync_before = sync_clock(job)
     tokens = job.loader.next().to(job.groups.device)
-    job.opt.zero_grad(set_to_none=True)
+    zero_grads(job)
     c0 = time.perf_counter()  # compute: forward, backward, optimizer (utilisation)
     if job.privacy is not None:  # per-record clipped, noised: see training.privacy
         loss = job.privacy.clipped_noisy_grads(job.model, tokens, job.model.loss)
