@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import shutil
 import socket
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -33,13 +32,12 @@ def local_run_dir(model: StackModel) -> Path:
     return Path(".geotrain") / model.stack
 
 
-def prepare_local_run(
-    model: StackModel, fresh: bool, steps: int | None = None
-) -> tuple[LaunchSpec, Path, Path]:
+def prepare_local_run(model: StackModel, fresh: bool) -> tuple[LaunchSpec, Path, Path]:
     """Render the spec of a single-machine stack into its run dir with a key. The caller
     holds the run dir's lock (this rewrites the spec and the event log)."""
     from infra.plan import build_plan
     from infra.render import render_launch_spec
+    from training.checkpoint import remove_checkpoints
     from training.keys import create_key_file
     from training.spec import node_root
 
@@ -62,14 +60,14 @@ def prepare_local_run(
             )
     spec = render_launch_spec(plan)
     run_dir = local_run_dir(model)
-    if fresh:  # every node's root: the dir may hold {node} or {region}
+    if fresh:  # every node's root (the dir may hold {node} or {region}): only the
+        # checkpointers' files go, whatever else the root holds stays
         for r in spec.regions:
             for n in r.nodes:
-                root = node_root(spec.checkpoint.dir, spec.stack, n.name, r.name)
-                shutil.rmtree(root, ignore_errors=True)
+                remove_checkpoints(node_root(spec.checkpoint.dir, spec.stack, n.name, r.name))
     run_dir.mkdir(parents=True, exist_ok=True)
     # the rendezvous port is chosen now: a fixed port may be taken on a shared machine
-    spec = dataclasses.replace(spec, master_port=free_port(), steps=steps or spec.steps)
+    spec = dataclasses.replace(spec, master_port=free_port())
     spec_path = run_dir / "launch-spec.json"
     spec_path.write_text(spec.to_json())
     create_key_file(Path(spec.key_file))
@@ -85,12 +83,15 @@ def prepare_local_run(
 def train(stack: str, fresh: bool, steps: int | None) -> None:
     """Train on a single-machine stack (local, lab): every region's workers start here."""
     from infra.model import load_stack
+    from infra.model.load import with_steps
     from training.launch import run_lock
 
     model = load_stack(stack)
+    if steps is not None:  # checked with the stack before anything is deleted or written
+        model = with_steps(model, steps)
     # before anything is written: a second launcher must not touch the first one's run
     with run_lock(local_run_dir(model), f"stack {model.stack}"):
-        _train(stack, *prepare_local_run(model, fresh, steps))
+        _train(stack, *prepare_local_run(model, fresh))
 
 
 def _train(stack: str, spec: LaunchSpec, spec_path: Path, run_dir: Path) -> None:

@@ -103,6 +103,34 @@ def step_of(path: Path) -> int:
     return int(name[len(PREFIX) :])
 
 
+def remove_checkpoints(root: Path) -> list[Path]:
+    """`geotrain train --fresh`: delete what checkpointers wrote under `root` (its step-N/
+    and quarantine/ directories, high-water records, write probes), then `root` itself if
+    that left it empty. Anything else there is the user's and stays, so a root set to a
+    directory that holds other files (the launch directory, a home) loses none of them.
+    Returns what was deleted."""
+    if not root.is_dir():
+        return []
+    gone = []
+    for p in sorted(root.iterdir()):
+        ours_dir = p.name == QUARANTINE or (
+            p.name.startswith(PREFIX) and p.name[len(PREFIX) :].isdigit()
+        )
+        ours_file = (p.name.startswith("high-water-") and p.name.endswith(".json")) or (
+            p.name.startswith(".write-probe-")
+        )
+        if ours_dir and p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p)
+        elif ours_file and (p.is_file() or p.is_symlink()):
+            p.unlink()
+        else:
+            continue
+        gone.append(p)
+    with contextlib.suppress(OSError):  # not empty: the user's files stay with it
+        root.rmdir()
+    return gone
+
+
 def node_group(ranks_by_node: list[list[int]]) -> Any:
     """This rank's node group (gloo), for DCP. Every rank must call this with the same
     lists in the same order: each creates every node's group (a c10d rule)."""

@@ -251,6 +251,7 @@ class Apply:
             )
             self.state.d["user_created"] = user
             self.changed.append(f"user {user}")
+        made = {x["path"] for x in self.state.d["dirs"]}
         for d in self.spec.dirs:
             p = Path(d.path)
             if not p.exists():
@@ -258,9 +259,22 @@ class Apply:
                 self.state.d["dirs"].append({"path": d.path, "keep": d.keep_on_remove})
                 self.undo.append(functools.partial(shutil.rmtree, p, ignore_errors=True))
                 self.changed.append(d.path)
-            if _mode_owner(p) != (int(d.mode, 8), d.owner, d.group):
-                shutil.chown(p, d.owner, d.group)
-                os.chmod(p, int(d.mode, 8))
+                made.add(d.path)
+            now = _mode_owner(p)
+            if now == (int(d.mode, 8), d.owner, d.group):
+                continue
+            if not d.adopt and d.path not in made and p.is_dir() and any(p.iterdir()):
+                have = f"{now[1]}:{now[2]} mode {now[0]:04o}" if now else "unreadable"
+                raise AgentError(
+                    self.node,
+                    "dirs",
+                    f"{p} already exists with files in it ({have}); the agent re-owns "
+                    "only directories it made, so their users keep them. Point "
+                    "training.checkpoint.dir at a new or empty directory, or give this one "
+                    f"over yourself: chown {d.owner}:{d.group} {p} && chmod {d.mode} {p}",
+                )
+            shutil.chown(p, d.owner, d.group)
+            os.chmod(p, int(d.mode, 8))
 
     def files(self) -> None:
         for f in self.spec.files:

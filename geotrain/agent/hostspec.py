@@ -28,6 +28,11 @@ class DirSpec:
     """Octal mode."""
     keep_on_remove: bool = False
     """`node remove` keeps it when it holds data (checkpoints) unless --purge is given."""
+    adopt: bool = True
+    """Whether the agent may change the owner and mode of a directory that exists with files
+    in it and that it did not make. False for a directory the user names (the checkpoint
+    dir): a stack that points it at a home or a data disk must not take that from its
+    users."""
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,8 @@ no cloud; the overlay is loopback and there is nothing to route."""
 
 from __future__ import annotations
 
+import shlex
+
 import pulumi
 
 from infra.backends.base import BackendContext, Parent
@@ -15,6 +17,7 @@ from infra.render import (
     render_prometheus,
 )
 from infra.render.monitoring import RULES_FILE
+from training.spec import node_root
 
 HERE = Target(connection=None)
 
@@ -26,12 +29,13 @@ class LocalBackend:
         self, ctx: BackendContext, region: PlanRegion, parent: Parent
     ) -> list[pulumi.Resource]:
         plan = ctx.plan
-        ckpt = render_launch_spec(plan).checkpoint.dir.split("{", 1)[0]
+        ckpt = render_launch_spec(plan).checkpoint.dir
+        roots = {n.name: str(node_root(ckpt, plan.stack, n.name, n.region)) for n in region.nodes}
         return [
             run(
                 f"{parent.name}-{n.name}-dirs",
                 HERE,
-                f"mkdir -p {ckpt} .geotrain/{plan.stack}/logs/{n.name}",
+                f"mkdir -p {shlex.quote(roots[n.name])} .geotrain/{plan.stack}/logs/{n.name}",
                 parent.opts(),
                 # the checkpoints are the run's only copy of its progress: delete keeps them
                 delete=f"rm -rf .geotrain/{plan.stack}/logs/{n.name}",

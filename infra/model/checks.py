@@ -648,9 +648,54 @@ def _policy(m: StackModel, source: str) -> None:
             )
 
 
+SYSTEM_TREES: tuple[str, ...] = ("/bin", "/boot", "/dev", "/etc", "/lib", "/lib32", "/lib64")
+SYSTEM_TREES += ("/libx32", "/proc", "/sbin", "/sys", "/usr")
+"""Absolute checkpoint dirs refused anywhere under these: the system's own files."""
+SHARED_DIRS: tuple[str, ...] = ("/", "/data", "/home", "/media", "/mnt", "/opt", "/root")
+SHARED_DIRS += ("/run", "/snap", "/srv", "/tmp", "/var", "/var/lib", "/var/tmp")
+"""Absolute checkpoint dirs refused as they are (a directory under them is fine): other
+users' and programs' files live there."""
+
+
+def checkpoint_dir_problem(template: str) -> str | None:
+    """Why `template` (training.checkpoint.dir) cannot be a checkpoint root, or None. The
+    root is geotrain's: the host agent makes it the service user's with mode 0750 and
+    `geotrain train --fresh` deletes checkpoints in it, so it must be a directory of its
+    own, never the launch directory, one above it or a system directory."""
+    d = template
+    if not d.strip():
+        return "is empty: the launch directory"
+    if d.startswith("~"):
+        return "starts with '~', which is not expanded"
+    probe = d
+    for known in ("{stack}", "{node}", "{region}"):
+        probe = probe.replace(known, "x")
+    parts = probe.split("/")
+    if ".." in parts:
+        return "climbs out with '..'"
+    real = [p for p in parts if p not in ("", ".")]
+    if not real:
+        return "is the filesystem root" if d.startswith("/") else "is the launch directory"
+    if d.startswith("/"):
+        path = "/" + "/".join(real)
+        if any(path == t or path.startswith(t + "/") for t in SYSTEM_TREES):
+            return f"is in /{real[0]}: system files"
+        if path in SHARED_DIRS:
+            return f"is {path} itself: others' files"
+    return None
+
+
 def _runtime(m: StackModel, source: str) -> None:
     """Settings each field accepts but the runtime could not run with."""
     t, mon = m.training, m.monitoring
+    problem = checkpoint_dir_problem(t.checkpoint.dir)
+    if problem is not None:
+        raise _err(
+            source,
+            "training.checkpoint.dir",
+            f"'{t.checkpoint.dir}' {problem}; use a directory of its own (geotrain owns it: "
+            "mode 0750, --fresh empties it), e.g. /var/lib/geotrain/checkpoints",
+        )
     rest = t.checkpoint.dir
     for known in ("{stack}", "{node}", "{region}"):
         rest = rest.replace(known, "")

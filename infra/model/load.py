@@ -132,6 +132,18 @@ def validate(raw: dict[str, Any], source: str) -> StackModel:
     return model
 
 
+def with_steps(model: StackModel, steps: int) -> StackModel:
+    """The stack with `training.steps` set to `steps` (`geotrain train --steps`), checked as
+    if the file said so: a warm-up or a schedule the new count breaks is refused, in one
+    line that names the override."""
+    if steps < 1:
+        raise ConfigError("--steps", "training.steps", f"{steps}: a run has at least 1 step")
+    training = model.training.model_copy(update={"steps": steps})
+    changed = model.model_copy(update={"training": training})
+    check_model(changed, f"--steps {steps}")
+    return changed
+
+
 def _check_numbers(model: StackModel, source: str) -> None:
     """Every number is finite and fits in 64 bits, before any check does arithmetic on it.
 

@@ -39,6 +39,7 @@ from infra.render.runtime import (
     render_launch_spec,
     render_worker_unit,
 )
+from training.spec import node_root
 
 ETC = "/etc/geotrain"
 FIREWALL_PATH = f"{ETC}/firewall.nft"
@@ -120,12 +121,13 @@ def render_host(plan: Plan, node: PlanNode, role: HostRole) -> tuple[HostSpec, d
         dirs += [
             DirSpec(REMOTE_STATE_DIR, SERVICE_USER, SERVICE_USER, "0750"),
             DirSpec(REMOTE_RUN_DIR, SERVICE_USER, SERVICE_USER, "0750"),
-            DirSpec(
-                ckpt.split("{", 1)[0].rstrip("/") or ckpt,
+            DirSpec(  # this node's root: {node} and {region} filled in
+                str(node_root(ckpt, plan.stack, node.name, node.region)),
                 SERVICE_USER,
                 SERVICE_USER,
                 "0750",
                 keep_on_remove=plan.training.checkpoint.keep_on_destroy,
+                adopt=False,
             ),
         ]
         units.append(

@@ -3,15 +3,20 @@ stage; the agent's pure helpers (no root)."""
 
 from __future__ import annotations
 
+import dataclasses
+import grp
 import json
+import os
+import pwd
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from geotrain.agent import bootstrap
-from geotrain.agent.apply import Secrets, _remove_tree_except, _set_keys
+from geotrain.agent.apply import Apply, Secrets, State, _remove_tree_except, _set_keys
 from geotrain.agent.bootstrap import AgentError
-from geotrain.agent.hostspec import HostSpec
+from geotrain.agent.hostspec import DirSpec, HostSpec
 from infra.model import load_stack
 from infra.plan import build_plan
 from infra.render.bundle import render_bundle, runtime_wheel
@@ -106,3 +111,54 @@ def test_secrets_on_stdin_must_be_the_json_object() -> None:
     assert s.run_key == "ab" and s.wireguard == {"fra-0": "K"} and s.files == {}
     with pytest.raises(AgentError, match="step secrets"):
         Secrets.parse(b"not json", "bj-0")
+
+
+def test_the_checkpoint_dir_is_rendered_as_the_nodes_own_root_and_never_adopted(
+    write_stack: Any,
+) -> None:
+    f = write_stack(
+        "global", lambda c: c["geotrain:training"]["checkpoint"].update(dir="/home/{node}/ckpt")
+    )
+    plan = build_plan(load_stack(str(f)))
+    spec, _ = render_host(plan, plan.node("bj-1"), ROLES["ssh"])
+    (ckpt,) = [d for d in spec.dirs if "ckpt" in d.path]
+    assert ckpt.path == "/home/bj-1/ckpt" and not ckpt.adopt  # not /home
+    assert all(d.adopt for d in spec.dirs if d is not ckpt)
+
+
+def _dirs_apply(tmp_path: Path, made: list[str], *dirs: DirSpec) -> Apply:
+    plan = build_plan(load_stack("global"))
+    spec, _ = render_host(plan, plan.node("bj-1"), ROLES["ssh"])
+    me, group = pwd.getpwuid(os.getuid()).pw_name, grp.getgrgid(os.getgid()).gr_name
+    dirs = tuple(dataclasses.replace(d, owner=me, group=group) for d in dirs)
+    spec = dataclasses.replace(spec, service_user=me, dirs=dirs)
+    state = State({"dirs": [{"path": p, "keep": True} for p in made]})
+    return Apply(tmp_path / "bundle", spec, Secrets(), state)
+
+
+def test_the_agent_re_owns_only_directories_it_made_or_empty_ones(tmp_path: Path) -> None:
+    """A user-named dir (adopt False) that already holds someone's files keeps its owner
+    and mode: the agent stops with the fix. Empty, made by an earlier apply, or one of
+    geotrain's own dirs (adopt True): brought to the bundle's mode."""
+    home = tmp_path / "home-alice"
+    home.mkdir(mode=0o755)
+    (home / "thesis.txt").write_text("years of work")
+    home.chmod(0o755)
+    a = _dirs_apply(tmp_path, [], DirSpec(str(home), mode="0750", adopt=False))
+    with pytest.raises(AgentError, match=r"step dirs: .*home-alice already exists with files"):
+        a.users_and_dirs()
+    assert home.stat().st_mode & 0o777 == 0o755 and (home / "thesis.txt").is_file()
+    for made, adopt in (([str(home)], False), ([], True)):  # its own from before; geotrain's
+        home.chmod(0o755)
+        _dirs_apply(tmp_path, made, DirSpec(str(home), mode="0750", adopt=adopt)).users_and_dirs()
+        assert home.stat().st_mode & 0o777 == 0o750
+    empty = tmp_path / "empty"
+    empty.mkdir(mode=0o755)
+    empty.chmod(0o755)
+    _dirs_apply(tmp_path, [], DirSpec(str(empty), mode="0750", adopt=False)).users_and_dirs()
+    assert empty.stat().st_mode & 0o777 == 0o750
+    new = tmp_path / "new" / "ckpt"
+    a = _dirs_apply(tmp_path, [], DirSpec(str(new), mode="0750", adopt=False))
+    a.users_and_dirs()
+    assert new.stat().st_mode & 0o777 == 0o750
+    assert a.state.d["dirs"][-1]["path"] == str(new)

@@ -351,3 +351,44 @@ def test_read_only_checkpoint_dir_is_a_clear_error(tmp_path: Path) -> None:
             run_world(_try_save, 1, str(root / "c"), 10)
     finally:
         subprocess.run(["umount", str(root)], check=True)
+
+
+def test_fresh_deletes_only_what_checkpointers_wrote(tmp_path: Path) -> None:
+    """`geotrain train --fresh` on a root that also holds the user's files (a checkpoint dir
+    set to the launch directory): the checkpoints go, the user's files stay."""
+    from training.checkpoint import remove_checkpoints
+
+    root = tmp_path / "root"
+    for d in ("step-10/bj-0", "step-20/bj-0", "quarantine/step-5-bj-0-torn-1"):
+        (root / d).mkdir(parents=True)
+        (root / d / "x.distcp").write_text("x")
+    (root / "high-water-bj-0.json").write_text("{}")
+    (root / ".write-probe-bj-0").write_text("")
+    mine = {
+        "notes.md": "keep",
+        "step-by-step.txt": "keep",
+        "step-x/a": "keep",
+        "src/main.py": "keep",
+    }
+    for name, text in mine.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    gone = remove_checkpoints(root)
+    assert {p.name for p in gone} == {
+        "step-10",
+        "step-20",
+        "quarantine",
+        "high-water-bj-0.json",
+        ".write-probe-bj-0",
+    }
+    assert all((root / name).read_text() == text for name, text in mine.items())
+    assert sorted(p.name for p in root.iterdir()) == [
+        "notes.md",
+        "src",
+        "step-by-step.txt",
+        "step-x",
+    ]
+    only = tmp_path / "only"  # a root of checkpoints alone goes with them
+    (only / "step-1" / "bj-0").mkdir(parents=True)
+    remove_checkpoints(only)
+    assert not only.exists() and remove_checkpoints(tmp_path / "never") == []

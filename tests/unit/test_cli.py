@@ -43,3 +43,51 @@ def test_broken_stack_is_one_line_exit_2(write_stack: Any) -> None:
     assert r.exit_code == 2
     lines = [ln for ln in r.output.splitlines() if ln]
     assert len(lines) == 1 and "duplicate ASN" in lines[0] and "Traceback" not in r.output
+
+
+@pytest.mark.parametrize(
+    ("steps", "words"),
+    [
+        ("0", "0: a run has at least 1 step"),
+        ("-5", "-5: a run has at least 1 step"),
+        ("3", "warmup_steps: 5 must be < training.steps (3)"),
+    ],
+)
+def test_train_steps_is_checked_with_the_stack_before_fresh_deletes_anything(
+    write_stack: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, steps: str, words: str
+) -> None:
+    def warmup(c: dict[str, Any]) -> None:
+        c["geotrain:training"].update(sync="diloco", diloco={"inner_steps": 4, "warmup_steps": 5})
+
+    f = write_stack("local", warmup)
+    monkeypatch.chdir(tmp_path)
+    step = tmp_path / ".geotrain" / "broken" / "checkpoints" / "step-2"
+    step.mkdir(parents=True)
+    r = CliRunner().invoke(cli, ["train", "--stack", str(f), "--fresh", "--steps", steps])
+    assert r.exit_code == 2, r.output
+    lines = [ln for ln in r.output.splitlines() if ln]
+    assert len(lines) == 1 and words in lines[0] and "--steps" in lines[0], r.output
+    assert step.is_dir()  # --fresh never ran
+
+
+@pytest.mark.parametrize(
+    "ckpt", ["", ".", "./", "..", "{node}/..", "/", "/etc", "/usr/lib/ckpt", "/home", "~/ckpt"]
+)
+def test_a_checkpoint_dir_that_is_not_a_directory_of_its_own_is_refused(
+    write_stack: Any, ckpt: str
+) -> None:
+    f = write_stack("global", lambda c: c["geotrain:training"]["checkpoint"].update(dir=ckpt))
+    r = CliRunner().invoke(cli, ["validate", "--stack", str(f)])
+    assert r.exit_code == 2, r.output
+    lines = [ln for ln in r.output.splitlines() if ln]
+    assert len(lines) == 1 and "training.checkpoint.dir" in lines[0], r.output
+    assert "a directory of its own" in lines[0] and "Traceback" not in r.output
+
+
+@pytest.mark.parametrize(
+    "ckpt", ["/home/{node}/ckpt", "/var/lib/geotrain/ckpt", "{node}", "/data/ckpt/{region}"]
+)
+def test_a_checkpoint_dir_of_its_own_is_accepted(write_stack: Any, ckpt: str) -> None:
+    f = write_stack("global", lambda c: c["geotrain:training"]["checkpoint"].update(dir=ckpt))
+    r = CliRunner().invoke(cli, ["validate", "--stack", str(f)])
+    assert r.exit_code == 0, r.output
