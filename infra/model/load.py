@@ -187,6 +187,8 @@ def _config_error(e: ValidationError, source: str) -> ConfigError:
         msg = f"unknown key {short_repr(loc[-1])}; allowed keys here: {', '.join(allowed)}"
     elif kind == "missing":
         msg = "required key is missing; add it"
+    elif kind == "value_error":  # our own validators' messages name the value and the fix
+        msg = err["msg"].removeprefix("Value error, ")
     else:
         msg = f"{err['msg']} (got {short_repr(err.get('input'))})"
     return ConfigError(source, path, msg)

@@ -8,9 +8,10 @@ in `infra.model.checks`.
 from __future__ import annotations
 
 import ipaddress
-from typing import Literal
+import types
+from typing import Any, Literal, Union, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from infra.model.fault_tolerance import FaultTolerance
 
@@ -24,9 +25,51 @@ _CN: Jurisdiction = "CN"
 
 
 class Strict(BaseModel):
-    """Unknown keys are errors: a typo must not silently fall back to a default."""
+    """Unknown keys are errors: a typo must not silently fall back to a default. A boolean
+    where a number goes is an error too (pydantic reads `steps: true` as 1)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_for_number(cls, value: Any, info: ValidationInfo) -> Any:
+        field = cls.model_fields.get(info.field_name or "")
+        if field is not None and _bool_in(value, field.annotation):
+            what = str(value).lower() if isinstance(value, bool) else "a list with a boolean"
+            raise ValueError(
+                f"{what} where a number goes (a boolean would be read as 1 or 0); write the number"
+            )
+        return value
+
+
+def _takes_bool(tp: Any) -> bool:
+    """Whether a value of type `tp` may be a bool."""
+    if tp is bool or tp is Any:
+        return True
+    origin = get_origin(tp)
+    if origin is Literal:
+        return any(isinstance(a, bool) for a in get_args(tp))
+    if origin in (Union, types.UnionType):
+        return any(_takes_bool(a) for a in get_args(tp))
+    return False
+
+
+def _bool_in(value: Any, tp: Any) -> bool:
+    """A bool in `value` where `tp` (or, in a list, its item type) takes numbers only."""
+    if isinstance(value, bool):
+        return not _takes_bool(tp) and _takes_number(tp)
+    if isinstance(value, (list, tuple)) and get_origin(tp) in (list, tuple):
+        args = [a for a in get_args(tp) if a is not Ellipsis]
+        return bool(args) and any(_bool_in(v, args[0]) for v in value)
+    return False
+
+
+def _takes_number(tp: Any) -> bool:
+    if tp in (int, float):
+        return True
+    if get_origin(tp) in (Union, types.UnionType):
+        return any(_takes_number(a) for a in get_args(tp))
+    return False
 
 
 class Node(Strict):

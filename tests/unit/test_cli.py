@@ -91,3 +91,35 @@ def test_a_checkpoint_dir_of_its_own_is_accepted(write_stack: Any, ckpt: str) ->
     f = write_stack("global", lambda c: c["geotrain:training"]["checkpoint"].update(dir=ckpt))
     r = CliRunner().invoke(cli, ["validate", "--stack", str(f)])
     assert r.exit_code == 0, r.output
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "path"),
+    [
+        ("steps", True, "training.steps"),
+        ("bucket_mb", True, "training.bucket_mb"),
+        ("compression", {"quantize": "int8", "zstd_level": False}, "compression.zstd_level"),
+        ("diloco", {"inner_steps": True}, "diloco.inner_steps"),
+        ("diloco", {"outer_lr": True}, "diloco.outer_lr"),
+        ("checkpoint", {"interval_minutes": True}, "checkpoint.interval_minutes"),
+    ],
+)
+def test_a_boolean_where_a_number_goes_is_refused(
+    write_stack: Any, key: str, value: Any, path: str
+) -> None:
+    def put(c: dict[str, Any]) -> None:
+        c["geotrain:training"].update({key: value}, sync="diloco")
+
+    r = CliRunner().invoke(cli, ["validate", "--stack", str(write_stack("local", put))])
+    assert r.exit_code == 2, r.output
+    lines = [ln for ln in r.output.splitlines() if ln]
+    assert len(lines) == 1 and path in lines[0] and "where a number goes" in lines[0], r.output
+
+
+def test_booleans_stay_fine_where_booleans_go(write_stack: Any) -> None:
+    def put(c: dict[str, Any]) -> None:
+        c["geotrain:training"]["compression"]["error_feedback"] = False
+        c["geotrain:training"]["checkpoint"]["keep_on_destroy"] = False
+
+    r = CliRunner().invoke(cli, ["validate", "--stack", str(write_stack("local", put))])
+    assert r.exit_code == 0, r.output
