@@ -123,10 +123,18 @@ def estimate(i: Inputs) -> list[Estimate]:
             wall = steps * step_compute + steps * exposed
         else:
             w = min(float(i.warmup_steps), steps)
-            merges = rounds_in(steps - w, every, i.diloco_start, i.diloco_start_for)
+            # the runtime merges at every round's end and on the last step: a round the
+            # run ends inside counts as a whole merge
+            rounds = rounds_in(steps - w, every, i.diloco_start, i.diloco_start_for)
+            merges = math.ceil(rounds - 1e-9)
             syncs = w + merges
             wall = steps * step_compute + w * sync_s + merges * exposed
         days = wall / SECONDS_PER_DAY
+        if not (math.isfinite(wall) and wall > 0 and math.isfinite(total_bytes * syncs / days)):
+            raise PlanInputError(
+                f"the {mode} row comes out as {wall:.3g} s for {steps:.3g} steps: the inputs "
+                "are outside what this estimate can count (check --mfu and --tokens)"
+            )
         out.append(
             Estimate(
                 mode=mode,
@@ -176,7 +184,8 @@ def inputs_from_plan(plan: Plan, mfu: float, tokens: float | None = None) -> Inp
         usd_per_gpu_hour=usd,
         diloco_h=h,
         bits=_bits(t.compression.quantize),
-        stream_tau=t.diloco.tau or 5,  # the stack's tau when it streams; else the paper's 5
+        # the stack's tau when it streams (0: blocking merges); else the paper's 5, below H
+        stream_tau=t.diloco.tau if t.diloco.fragments > 1 or t.diloco.tau else min(5, h - 1),
         diloco_start=t.diloco.inner_steps_start,
         diloco_start_for=t.diloco.inner_steps_start_for,
         warmup_steps=t.diloco.warmup_steps,
@@ -236,7 +245,8 @@ def format_plan(i: Inputs, rows: list[Estimate]) -> str:
         f" = {i.gpus * i.peak_flops * i.mfu / 1e15:.1f} PFLOP/s",
         f"compute: 6 x N x D = {6 * i.active_params * i.tokens:.3g} FLOPs",
         f"sync: each of R = {i.regions} regions sends "
-        f"{'N x bits' if i.exchange == 'allgather' else '2 x N x bits / R'} bytes on each link "
+        f"{'N x bits / 8' if i.exchange == 'allgather' else '2 x N x bits / 8 / R'} bytes on "
+        "each link "
         f"(slowest {i.link_gbps:g} Gbit/s) per sync; DiLoCo syncs every H = {i.diloco_h} "
         f"steps{_early(i)}; streaming hides a fragment behind tau = {i.stream_tau} steps",
         "",
@@ -245,9 +255,18 @@ def format_plan(i: Inputs, rows: list[Estimate]) -> str:
     ]
     for r in rows:
         lines.append(
-            f"| {r.mode} | {r.days:.1f} | {r.sync_share:.0%} | {r.tb_per_day:.2f} | {r.usd:,.0f} |"
+            f"| {r.mode} | {_num(r.days, '.1f')} | {r.sync_share:.0%} | "
+            f"{_num(r.tb_per_day, '.2f')} | {_num(r.usd, ',.0f')} |"
         )
     return "\n".join(lines)
+
+
+def _num(v: float, fmt: str) -> str:
+    """`v` in `fmt`, or in 2-3 significant digits where `fmt` would print 0.0 or a wall of
+    digits (a run of a few steps; inputs far off the usual)."""
+    if v != 0 and (abs(v) < 0.05 or abs(v) >= 1e9):
+        return f"{v:.2g}"
+    return format(v, fmt)
 
 
 def _early(i: Inputs) -> str:

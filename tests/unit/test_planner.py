@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import pytest
 from click.testing import CliRunner
@@ -10,7 +11,14 @@ from click.testing import CliRunner
 from geotrain.cli import cli
 from infra.model import load_stack
 from infra.plan import build_plan
-from infra.planner import Inputs, PlanInputError, active_parameters, estimate, inputs_from_plan
+from infra.planner import (
+    Inputs,
+    PlanInputError,
+    active_parameters,
+    estimate,
+    format_plan,
+    inputs_from_plan,
+)
 from training.diloco import rounds_in
 from training.model import preset
 
@@ -110,6 +118,8 @@ def test_the_global_stack_plans_its_time_based_merges_as_h_steps() -> None:
         (["--stack", "local"], "runs on cpu workers"),
         (["--stack", "global", "--mfu", "0"], "--mfu must be in (0, 1]"),
         (["--stack", "global", "--tokens", "-5"], "tokens must be a positive number"),
+        (["--stack", "global", "--mfu", "1e-310"], "outside what this estimate can count"),
+        (["--stack", "global", "--tokens", "1e305"], "outside what this estimate can count"),
     ],
 )
 def test_broken_planner_inputs_are_one_line_exit_2(args: list[str], words: str) -> None:
@@ -135,3 +145,40 @@ def test_allgather_sends_r_over_2_times_the_bytes_and_ternary_plans() -> None:
     assert [r.mode for r in two][1:] == modes
     with pytest.raises(PlanInputError, match="exchange must be"):
         estimate(dataclasses.replace(BASE, exchange="ring"))
+
+
+def test_a_run_that_ends_inside_a_round_counts_its_last_merge() -> None:
+    """The runtime merges on the last step too: 100 steps at H = 500 make one merge, and
+    250 steps at H = 100 three (100, 200, 250)."""
+    per_sync = 2 * 2 * 7e9 * 1 / 1e12  # TB, int8
+    for steps, h, merges in ((100, 500, 1), (250, 100, 3), (300, 100, 3)):
+        i = dataclasses.replace(BASE, tokens=steps * 4e6, diloco_h=h)
+        row = estimate(i)[2]
+        assert row.tb_per_day * row.days == pytest.approx(merges * per_sync), (steps, h)
+
+
+@pytest.mark.parametrize(
+    ("diloco", "tau"),
+    [
+        ({"inner_steps": 500, "fragments": 4, "tau": 0}, 0),  # streams, blocking merges
+        ({"inner_steps": 500, "fragments": 4, "tau": 20}, 20),
+        ({"inner_steps": 500}, 5),  # does not stream: the paper's 5
+        ({"inner_steps": 3}, 2),  # ... below H
+        ({"inner_steps": 1}, 0),
+    ],
+)
+def test_the_streaming_row_uses_the_stacks_tau_or_one_below_h(
+    write_stack: Any, diloco: dict[str, int], tau: int
+) -> None:
+    def put(c: dict[str, Any]) -> None:
+        c["geotrain:training"].update(sync="diloco", diloco=diloco)
+
+    i = inputs_from_plan(build_plan(load_stack(str(write_stack("global", put)))), 0.4)
+    assert i.stream_tau == tau
+    assert tau < i.diloco_h or tau == 0  # tau < H, the runtime's bound
+
+
+def test_a_short_run_prints_its_days_not_zero() -> None:
+    rows = estimate(dataclasses.replace(BASE, tokens=100 * 4e6))
+    text = format_plan(BASE, rows)
+    assert "| 0.0 |" not in text and "| diloco-H100-int8 | 0.0082 |" in text
