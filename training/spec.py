@@ -184,9 +184,9 @@ class CodecSpec:
 
 
 SCAFFOLD_STREAMING = (
-    "drift_correction scaffold needs whole-model merges (fragments 1, tau 0): its drift "
-    "estimates are per merge round, and streaming fragments end their rounds on different, "
-    "late steps; set fragments: 1 and tau: 0, or drift_correction: none"
+    "scaffold needs whole-model merges (its drift estimates are per round; streaming "
+    "fragments end theirs on other steps): set fragments: 1 and tau: 0, or "
+    "drift_correction: none"
 )
 """One message for the launch spec and the stack check (infra.model.checks)."""
 

@@ -405,11 +405,16 @@ def _training(m: StackModel, source: str) -> None:
     if d.interval_minutes is not None and d.interval_minutes <= 0:
         raise _err(source, "training.diloco.interval_minutes", f"{d.interval_minutes} must be > 0")
     if d.warmup_steps >= m.training.steps:
+        fix = (
+            "lower it or use sync: allreduce"
+            if m.training.sync == "diloco"
+            else "lower it, or drop training.diloco (sync: allreduce does not use it)"
+        )
         raise _err(
             source,
             "training.diloco.warmup_steps",
             f"{d.warmup_steps} must be < training.steps ({m.training.steps}): DiLoCo would "
-            "never start; lower it or use sync: allreduce",
+            f"never start; {fix}",
         )
     streaming = d.fragments > 1 or d.tau > 0
     problem = growing_h_problem(
