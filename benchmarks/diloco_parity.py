@@ -690,18 +690,23 @@ def main() -> None:
         "diloco_parity_dim<D>.md next to the allreduce int8 row at that width",
     )
     a = ap.parse_args()
-    if a.table_only and not (a.cache and a.cache.exists()):
+    if a.table_only and not a.cache:
         raise SystemExit(
-            f"--table-only redraws from the rows in --cache, and --cache {a.cache} "
-            + ("is not there" if a.cache else "is not given")
-            + ": give the JSON file an earlier run with --cache wrote"
+            "--table-only redraws from the rows in --cache, which is not given: give the "
+            "JSON file an earlier run with --cache wrote"
         )
+    if a.table_only and not a.cache.exists():
+        raise SystemExit(
+            f"--table-only redraws from the rows in --cache, and {a.cache} is not there: "
+            "give the JSON file an earlier run with --cache wrote"
+        )
+    _check_args(a)
     if a.seeds:
         return spread(a.only or [], a.seeds, a.steps, a.cache, a.corpus, a.table_only)
     if a.dim != MODEL.dim and a.cache:
         raise SystemExit(f"--dim {a.dim} with --cache: the cache holds rows of width {MODEL.dim}")
     setup = Setup(steps=a.steps, model=widened(a.dim), corpus=a.corpus)
-    cached = json.loads(a.cache.read_text()) if a.cache and a.cache.exists() else {}
+    cached = load_cache(a.cache)
     # rows of another length are measured again (rows from before "steps": 1000)
     cached = {k: v for k, v in cached.items() if v.get("steps", 1000) == a.steps}
     cached = {k: v for k, v in cached.items() if v.get("corpus", "pydoc") == a.corpus}
@@ -718,6 +723,12 @@ def main() -> None:
             _progress(run.name, results[run.name])
             if a.cache:
                 a.cache.write_text(json.dumps({**cached, **results}, indent=1))
+    if "allreduce int8" not in results:  # --table-only from a cache without it
+        raise SystemExit(
+            f"--table-only: {a.cache} has no allreduce int8 row of {a.steps} steps on "
+            f"{a.corpus}, the reference of every gap; measure it (--only 'allreduce int8' "
+            "--cache with the same --steps and --corpus)"
+        )
     out = table(results, setup) + bought(results)
     print(out)
     if a.dim != MODEL.dim:  # a width study: its rows alone, never the main table
@@ -728,6 +739,60 @@ def main() -> None:
     if full or (a.corpus != "pydoc" and (a.only or a.table_only)):  # another: rows chosen
         RESULTS.mkdir(exist_ok=True)
         (RESULTS / f"diloco_parity{_suffix(a.steps, a.corpus)}.md").write_text(out)
+
+
+MIN_STEPS = 200
+"""Rows warm up for up to 100 steps and merge every up to 100: shorter runs lack a round."""
+
+
+def _check_args(a: argparse.Namespace) -> None:
+    """Every argument checked before anything is measured: one line, what and the fix."""
+    if a.steps < MIN_STEPS:
+        raise SystemExit(
+            f"--steps {a.steps}: a run needs at least {MIN_STEPS} (rows warm up for up to 100 "
+            "steps and merge every up to 100)"
+        )
+    if a.only is not None:
+        names = [r.name for r in runs()]
+        unknown = [o for o in a.only if not any(o in n for n in names)]
+        if not a.only or unknown:
+            what = f"{unknown} match no row" if unknown else "gives no names"
+            raise SystemExit(
+                f"--only {what}; give parts of row names, e.g. 'H=50 int4' (rows: "
+                f"{', '.join(names[:4])}, ...)"
+            )
+    if a.seeds is not None and a.dim != MODEL.dim:
+        raise SystemExit(
+            f"--dim {a.dim} with --seeds: the seeds tables are at width {MODEL.dim}; "
+            "drop one of them"
+        )
+    if a.cache is not None:
+        if a.cache.exists() and not a.cache.is_file():
+            raise SystemExit(f"--cache {a.cache} is not a file; give a JSON file's path")
+        if not a.cache.parent.is_dir():
+            raise SystemExit(
+                f"--cache {a.cache}: its folder {a.cache.parent} does not exist; create it "
+                "or give another path"
+            )
+        load_cache(a.cache)  # a cache that cannot be read fails now, not after a row
+
+
+def load_cache(path: Path | None) -> dict[str, Any]:
+    """The rows a --cache file holds ({} where there is none yet); one line, and nothing
+    measured, for a file that is not one --cache wrote."""
+    if path is None or not path.exists():
+        return {}
+    try:
+        rows = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        msg = f"--cache {path} cannot be read as JSON ({e}); give a file --cache wrote"
+        raise SystemExit(msg) from None
+    if not isinstance(rows, dict) or not all(isinstance(v, dict) for v in rows.values()):
+        raise SystemExit(
+            f"--cache {path} holds {type(rows).__name__}, not the rows --cache writes (an "
+            "object of row name -> result); give a file --cache wrote"
+        )
+    return rows
 
 
 def _suffix(steps: int, corpus: str = "pydoc") -> str:
@@ -856,7 +921,7 @@ def spread(
         refs.add("allreduce int8, cosine")
     every = table_only and not only
     chosen = [r for r in runs() if every or r.name in refs or any(s in r.name for s in only)]
-    done = json.loads(cache.read_text()) if cache and cache.exists() else {}
+    done = load_cache(cache)
 
     def key_of(name: str, seed: int) -> str:
         key = f"{name} | seed {seed} | {steps} steps"

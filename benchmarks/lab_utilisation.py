@@ -49,6 +49,8 @@ RESULTS = ROOT / "benchmarks" / "results" / "lab_network.md"
 SECTION = "## Compute utilisation"
 SUBSECTION = "### 3 regions x "  # one table per ranks per region, each kept across runs
 DEFAULT_STEPS, DEFAULT_ALLREDUCE_STEPS = 150, 20
+MIN_STEPS = 100
+"""Two rounds at H = 50 for every mode."""
 INT4 = {"quantize": "int4", "zstd_level": 1, "cipher": "sm4-gcm"}
 MODES: dict[str, dict[str, Any]] = {
     "allreduce int8": {"sync": "allreduce"},
@@ -385,6 +387,23 @@ def main() -> None:
         )
     if a.batch is not None and a.batch < 1:
         raise SystemExit(f"--batch {a.batch}: give a number of sequences per rank, 1 or more")
+    if a.steps < MIN_STEPS:
+        raise SystemExit(
+            f"--steps {a.steps}: the DiLoCo modes need at least {MIN_STEPS} (a merge every "
+            f"50 steps, landing up to 30 late); the default is {DEFAULT_STEPS}"
+        )
+    if a.allreduce_steps < 2:
+        raise SystemExit(f"--allreduce-steps {a.allreduce_steps}: give 2 or more")
+    if a.ranks_per_region < 1:
+        raise SystemExit(
+            f"--ranks-per-region {a.ranks_per_region}: give 1 or more (each region's first "
+            "nodes of stacks/Pulumi.lab.yaml)"
+        )
+    if os.geteuid() != 0:
+        raise SystemExit(
+            "lab_utilisation.py builds the lab (network namespaces, WireGuard, FRR) and needs "
+            "root; run it with sudo"
+        )
     sys.path.insert(0, str(ROOT))
     sys.path.insert(0, str(ROOT / "benchmarks"))
 
