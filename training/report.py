@@ -111,7 +111,10 @@ class Progress:
     log: EventLog
     total: int
     out: Console = field(default_factory=console)
-    last_step: int = -1
+    _seen: int = 0
+    """Step events shown so far: any new one (another region at the same step) redraws."""
+    _said: int = -1
+    """The last step a plain line was printed for."""
     _bar: RichProgress | None = None
     _task: TaskID | None = None
 
@@ -144,22 +147,39 @@ class Progress:
             if e["event"] == "checkpoint_skipped":  # a fallback: say it, whatever the tty
                 self.say(f"checkpoint {_fallback(e)}")
         steps = self.log.of("step")
-        step = max((e["step"] for e in steps), default=self.last_step)
-        if step != self.last_step:
-            self.last_step = step
-            self._show(step, steps)
+        if len(steps) != self._seen:
+            self._seen = len(steps)
+            self._show(steps)
         if self._bar is not None:
             self._bar.refresh()  # the elapsed time moves between steps too
 
-    def _show(self, step: int, steps: list[dict[str, Any]]) -> None:
-        latest = [e for e in steps if e["step"] == step]
-        loss = sum(e["loss"] for e in latest) / len(latest)
-        tps = sum(e["tokens_per_s"] for e in latest)
-        stats = f"loss {loss:.3f}  {tps:,.0f} tok/s  cross-region {_cross_wire(steps) / 1e6:.2f} MB"
+    def _show(self, steps: list[dict[str, Any]]) -> None:
+        """The bar: the newest step any region reached, each region's newest counters. A
+        plain line: a step every region has reached (every 10th and the last), with the
+        loss, throughput and bytes of that step, so the last line agrees with the report."""
+        newest = _newest(steps)
         if self._bar is not None and self._task is not None:
-            self._bar.update(self._task, completed=step, stats=stats)
-        elif step == self.total or step % 10 == 0:
-            self.say(f"step {step}/{self.total}  {stats}")
+            step = max(e["step"] for e in newest)
+            self._bar.update(self._task, completed=step, stats=_stats(steps, step, newest))
+            return
+        start = self.log.of("start")
+        regions = start[0]["regions"] if start else len(newest)
+        if len(newest) < regions:
+            return
+        done = min(e["step"] for e in newest)
+        if done != self._said and (done == self.total or done % 10 == 0):
+            self._said = done
+            at = _newest([e for e in steps if e["step"] == done])
+            self.say(f"step {done}/{self.total}  {_stats(steps, done, at)}")
+
+
+def _stats(steps: list[dict[str, Any]], step: int, counters: list[dict[str, Any]]) -> str:
+    """Loss and throughput of `step` (its regions' events), cross-region bytes summed over
+    `counters` (one event a region: the regions' cumulative counters)."""
+    latest = _newest([e for e in steps if e["step"] == step])
+    loss = sum(e["loss"] for e in latest) / len(latest)
+    tps = sum(e["tokens_per_s"] for e in latest)
+    return f"loss {loss:.3f}  {tps:,.0f} tok/s  cross-region {_cross_wire(counters) / 1e6:.2f} MB"
 
 
 def _cross_wire(steps: list[dict[str, Any]]) -> float:

@@ -109,6 +109,24 @@ def test_progress_off_a_terminal_is_a_plain_line_every_10_steps(tmp_path: Path) 
     assert "worker 3 exited with -9" in lines
 
 
+def test_the_last_plain_line_waits_for_every_region_and_agrees_with_the_report(
+    tmp_path: Path,
+) -> None:
+    """One region ends (its last step carries the last merge's bytes) before the other:
+    no line for step 12 until both did, then its bytes are the report's."""
+    out, path, events = io.StringIO(), tmp_path / "events.jsonl", _events("diloco", 12, 0)
+    last = [e for e in events if e.get("step") == 12]
+    last[0]["cross_wire"] = last[1]["cross_wire"] = 9e6  # the final merge, in both
+    with Progress(EventLog(path), 12, out=console(out)) as p:
+        _write(path, events[: events.index(last[1])])  # beijing at 12, frankfurt at 11
+        p.update()
+        assert "step 12/12" not in out.getvalue()
+        _write(path, events)
+    line = next(ln for ln in out.getvalue().splitlines() if ln.startswith("step 12/12"))
+    report = summarize(EventLog(path), 12)["cross_region_wire_bytes"]
+    assert f"cross-region {report / 1e6:.2f} MB" in line and report == 18e6
+
+
 def test_progress_on_a_terminal_draws_a_rich_bar(tmp_path: Path) -> None:
     out = io.StringIO()
     term = Console(file=out, force_terminal=True, width=120, markup=False, emoji=False)
