@@ -10,6 +10,7 @@ same safe loader.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,34 @@ except ImportError:  # pragma: no cover - PyYAML built without libyaml: same rul
     from yaml import SafeLoader as _Loader  # type: ignore[assignment]
 
 _STR = "tag:yaml.org,2002:str"
+_INT, _FLOAT = "tag:yaml.org,2002:int", "tag:yaml.org,2002:float"
+
+
+class _Yaml(_Loader):
+    """PyYAML's safe loader with numbers read as Pulumi's YAML reader reads them: no
+    base-60 (`steps: 1:30` is a string, not 90) and exponents without a dot (`1e3` is
+    1000.0, not a string). Everything else is PyYAML's YAML 1.1."""
+
+
+_Yaml.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in rules if tag not in (_INT, _FLOAT)]
+    for first, rules in _Loader.yaml_implicit_resolvers.items()
+}
+_Yaml.add_implicit_resolver(
+    _INT,
+    re.compile(r"^(?:[-+]?0b[0-1_]+|[-+]?0[0-7_]+|[-+]?(?:0|[1-9][0-9_]*)|[-+]?0x[0-9a-fA-F_]+)$"),
+    list("-+0123456789"),
+)
+_Yaml.add_implicit_resolver(
+    _FLOAT,
+    re.compile(
+        r"^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?"
+        r"|[-+]?\.[0-9][0-9_]*(?:[eE][-+]?[0-9]+)?"
+        r"|[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+"
+        r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"
+    ),
+    list("-+0123456789."),
+)
 _DEPTH = "stack files need about 7 levels; flatten the value"
 _ALWAYS_BUILDS = {f"tag:yaml.org,2002:{t}" for t in ("bool", "null", "float", "int")}
 """Plain scalars Python always builds when short (int() fails only past 4300 digits)."""
@@ -131,7 +160,7 @@ class _Scan:
         self.values = SafeConstructor()
 
     def run(self) -> None:
-        loader = _Loader(self.text)
+        loader = _Yaml(self.text)
         try:
             while (e := loader.get_event()) is not None:
                 self.event(e, loader)
@@ -245,7 +274,7 @@ class _ValueError(yaml.constructor.ConstructorError):
     """A scalar Python cannot build; its message is ready to show."""
 
 
-class _StackLoader(_Loader):
+class _StackLoader(_Yaml):
     """The safe loader; a value Python cannot build is reported at its line. (The scan
     already catches these with a key path; this is the net for any it does not know.)"""
 

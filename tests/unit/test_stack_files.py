@@ -209,6 +209,24 @@ def test_pure_python_loader_keeps_the_same_rules_without_libyaml(tmp_path: Path)
     assert "nested more than 32 levels deep" in depth
 
 
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [
+        ("1:30", "1:30"),  # YAML 1.1's base 60 (90): Pulumi reads a string
+        ("12:00", "12:00"),
+        ("1e3", 1000.0),  # an exponent without a dot: Pulumi reads a number
+        ("2.5E-2", 0.025),
+        ("017", 15),
+        ("1_000", 1000),
+        (".5", 0.5),
+        ("10.42.0.0/16", "10.42.0.0/16"),
+    ],
+)
+def test_numbers_read_as_pulumi_reads_them(tmp_path: Path, text: str, value: object) -> None:
+    got = yaml_safe.read_yaml(write(tmp_path, f"a: {text}\n", "n.yaml"), "n.yaml")
+    assert got == {"a": value} and type(got["a"]) is type(value)
+
+
 # -- duplicate keys -------------------------------------------------------------------------
 
 
