@@ -42,7 +42,9 @@ def validate(stack: str) -> None:
 
         d = t.diloco
         hints.append(outer_hint(len(plan.regions), d.outer_lr, d.outer_momentum))
-    for hint in hints:
+    from infra.model.checks import idle_settings
+
+    for hint in [*hints, *idle_settings(m)]:
         if hint:
             click.echo(hint)
 

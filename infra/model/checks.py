@@ -1056,3 +1056,28 @@ def _gcp_labels(m: StackModel, source: str) -> None:
                 f"{key}: {value!r} cannot be a GCP label (keys start with a lowercase letter; "
                 "keys and values hold lowercase letters, digits, '-' and '_'); rename it",
             )
+
+
+def idle_settings(m: StackModel) -> list[str]:
+    """`geotrain validate` hints for settings the run will not use: valid, but a user who
+    set them expected an effect."""
+    t = m.training
+    d = t.diloco
+    out = []
+    if t.sync == "allreduce" and d != type(d)():
+        out.append(
+            "hint: training.diloco is set but sync is allreduce, which does not use it; "
+            "set sync: diloco to merge periodically"
+        )
+    elif d.mix > 0 and d.tau == 0:
+        out.append(
+            f"hint: training.diloco.mix {d.mix:g} has no effect with tau 0 (a merge lands at "
+            "once, with no local progress since its send to keep); set tau, or drop mix"
+        )
+    if t.checkpoint.interval_steps >= t.steps:
+        out.append(
+            f"hint: training.checkpoint.interval_steps {t.checkpoint.interval_steps} is not "
+            f"below steps ({t.steps}): the run saves no checkpoint before its end, so a "
+            "restart begins again at step 0"
+        )
+    return out

@@ -123,3 +123,25 @@ def test_booleans_stay_fine_where_booleans_go(write_stack: Any) -> None:
 
     r = CliRunner().invoke(cli, ["validate", "--stack", str(write_stack("local", put))])
     assert r.exit_code == 0, r.output
+
+
+@pytest.mark.parametrize(
+    ("training", "words"),
+    [
+        ({"sync": "diloco", "diloco": {"inner_steps": 10, "mix": 0.5}}, "mix 0.5 has no effect"),
+        ({"sync": "allreduce", "diloco": {"inner_steps": 10}}, "does not use it"),
+        ({"steps": 20, "checkpoint": {"interval_steps": 20}}, "saves no checkpoint"),
+    ],
+)
+def test_validate_names_settings_the_run_will_not_use(
+    write_stack: Any, training: dict[str, Any], words: str
+) -> None:
+    f = write_stack("local", lambda c: c["geotrain:training"].update(training))
+    r = CliRunner().invoke(cli, ["validate", "--stack", str(f)])
+    assert r.exit_code == 0 and "hint: training." in r.output and words in r.output, r.output
+
+
+def test_validate_gives_no_idle_setting_hints_for_the_shipped_stacks() -> None:
+    for stack in ("local", "lab", "global", "k8s", "global-cloud"):
+        r = CliRunner().invoke(cli, ["validate", "--stack", stack])
+        assert r.exit_code == 0 and "hint:" not in r.output, (stack, r.output)
