@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import click
 
 from geotrain.options import STACK, friendly
-from training.errors import SpecError
+from training.errors import ConfigError, SpecError
 from training.spec import LaunchSpec
 
 if TYPE_CHECKING:
@@ -229,14 +229,17 @@ def check(stack: str, as_json: bool, policy_config: str | None, emit_config: str
     from infra.mocks import run_under_mocks
     from infra.model import load_stack
     from policies.rules import config_from_policy_settings
-    from policies.runner import resources_from_recording, run_policies
+    from policies.runner import check_config, resources_from_recording, run_policies
 
     model = load_stack(stack)
-    config = (
-        json.loads(Path(policy_config).read_text())
-        if policy_config
-        else config_from_policy_settings(model.policy.model_dump())
-    )
+    if policy_config:
+        try:
+            raw = json.loads(Path(policy_config).read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ConfigError(policy_config, "-", f"cannot read it as JSON: {e}") from None
+        config = check_config(raw, policy_config)
+    else:
+        config = config_from_policy_settings(model.policy.model_dump())
     if emit_config:
         Path(emit_config).write_text(json.dumps(config, indent=2) + "\n")
         click.echo(f"wrote {emit_config}")

@@ -17,6 +17,7 @@ from pulumi_policy import (
 )
 
 from policies.rules import ALL, RESOURCE_POLICIES, STACK_POLICIES
+from training.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,65 @@ def policy_resource(
         dependencies=[],
         property_dependencies={},
     )
+
+
+LEVELS = ("advisory", "mandatory", "disabled")
+_JSON_TYPES: dict[str, tuple[type, ...]] = {
+    "number": (int, float),
+    "array": (list,),
+    "null": (type(None),),
+    "object": (dict,),
+    "string": (str,),
+    "boolean": (bool,),
+}
+
+
+def check_config(config: Any, source: str) -> dict[str, Any]:
+    """A policy config (`--policy-config`, the JSON `pulumi preview --policy-config` takes)
+    checked as the engine checks it: known policies, enforcement levels, and each policy's
+    config schema (its keys and their JSON types). One ConfigError naming the entry."""
+    if not isinstance(config, dict):
+        raise ConfigError(
+            source, "-", "a policy config is a JSON object of policy name -> level or settings"
+        )
+    schemas = {p.name: (p.config_schema.properties if p.config_schema else {}) for p in ALL}
+    for name, entry in config.items():
+        if name not in schemas and name != "all":
+            raise ConfigError(
+                source, str(name), f"unknown policy; the pack has {', '.join(schemas)}"
+            )
+        level = entry.get("enforcementLevel") if isinstance(entry, dict) else entry
+        if isinstance(entry, dict) and "enforcementLevel" not in entry:
+            level = None
+        if level is not None and level not in LEVELS:
+            raise ConfigError(
+                source, str(name), f"enforcement level {level!r}; use one of {', '.join(LEVELS)}"
+            )
+        if not isinstance(entry, (str, dict)):
+            raise ConfigError(
+                source, str(name), 'give a level ("mandatory") or an object of settings'
+            )
+        if not isinstance(entry, dict):
+            continue
+        props = schemas.get(name, {})
+        for key, value in entry.items():
+            if key == "enforcementLevel":
+                continue
+            if key not in props:
+                allowed = ", ".join(props) or "none"
+                raise ConfigError(
+                    source, f"{name}.{key}", f"unknown setting; settings here: {allowed}"
+                )
+            kinds = props[key].get("type")
+            kinds = [kinds] if isinstance(kinds, str) else list(kinds or [])
+            ok = any(
+                isinstance(value, _JSON_TYPES.get(k, ()))
+                and not (k == "number" and isinstance(value, bool))
+                for k in kinds
+            )
+            if kinds and not ok:
+                raise ConfigError(source, f"{name}.{key}", f"{value!r} is not {' or '.join(kinds)}")
+    return config
 
 
 def _level(name: str, config: Mapping[str, Any]) -> str:

@@ -383,7 +383,7 @@ class Apply:
             bad = [
                 n
                 for n in need
-                if n in self.secrets.wireguard and not WG_KEY.match(self.secrets.wireguard[n])
+                if n in self.secrets.wireguard and not WG_KEY.fullmatch(self.secrets.wireguard[n])
             ]
             if bad:
                 raise AgentError(

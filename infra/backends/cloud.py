@@ -24,6 +24,7 @@ wrote (WireGuard endpoints, firewall peers).
 from __future__ import annotations
 
 import json
+import shlex
 from dataclasses import dataclass, field
 from typing import Any, Protocol, cast
 
@@ -269,7 +270,8 @@ def cloud_init(region: PlanRegion) -> pulumi.Output[str]:
     NVIDIA server driver and the fabric manager (8-GPU HGX boards need it) from Ubuntu."""
     ssh = region.pool.ssh
     key = secret(ssh.private_key_config)
-    home = f"/home/{ssh.user}"
+    home = "/root" if ssh.user == "root" else f"/home/{ssh.user}"
+    user = shlex.quote(ssh.user)  # a POSIX name (the schema's pattern); quoted all the same
     cfg: dict[str, Any] = {
         "users": [
             "default",
@@ -289,9 +291,9 @@ def cloud_init(region: PlanRegion) -> pulumi.Output[str]:
     def render(pub: str | None) -> str:
         last = (
             [
-                f"install -d -m 0700 -o {ssh.user} -g {ssh.user} {home}/.ssh",
-                f"echo '{pub}' > {home}/.ssh/authorized_keys",
-                f"chown {ssh.user}:{ssh.user} {home}/.ssh/authorized_keys",
+                f"install -d -m 0700 -o {user} -g {user} {home}/.ssh",
+                f"echo {shlex.quote(pub)} > {home}/.ssh/authorized_keys",
+                f"chown {user}:{user} {home}/.ssh/authorized_keys",
                 f"chmod 0600 {home}/.ssh/authorized_keys",
             ]
             if pub

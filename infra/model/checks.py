@@ -206,6 +206,16 @@ def _pools(m: StackModel, source: str) -> None:
                     f"regions[{i}].pool.nodes[{j}].address",
                     "ssh nodes need the address the operator reaches them on, not loopback",
                 )
+    from infra.model.clouds import CLOUD_KINDS
+
+    for i, r in enumerate(m.regions):
+        if r.pool.kind in CLOUD_KINDS and r.pool.ssh.port != 22:
+            raise _err(
+                source,
+                f"regions[{i}].pool.ssh.port",
+                f"{r.pool.ssh.port}: {r.pool.kind} images run sshd on port 22 and geotrain "
+                "opens 22 in the instances' firewall; leave port at 22 for cloud pools",
+            )
     if "ssh" in kinds and not m.network.admin_cidrs:
         raise _err(
             source,
@@ -344,14 +354,14 @@ LABEL_VALUE = re.compile(r"^([A-Za-z0-9]([A-Za-z0-9_.-]{0,61}[A-Za-z0-9])?)?$")
 def _tags(m: StackModel, source: str) -> None:
     """Tags become Kubernetes labels (geotrain.io/<key>) and cloud tags: both must be valid."""
     for key, value in m.tags.items():
-        if not LABEL_KEY.match(key):
+        if not LABEL_KEY.fullmatch(key):
             raise _err(
                 source,
                 f"tags.{key[:40]}",
                 "tag keys become Kubernetes label names: 1-63 characters, letters, digits, "
                 "'-', '_', '.', starting and ending with a letter or digit",
             )
-        if not isinstance(value, str) or not LABEL_VALUE.match(value):
+        if not isinstance(value, str) or not LABEL_VALUE.fullmatch(value):
             raise _err(
                 source,
                 f"tags.{key}",
@@ -395,6 +405,16 @@ def _shards(m: StackModel, source: str) -> None:
                 source,
                 f"training.data_shards[{i}].uri",
                 f"unsupported uri '{s.uri}'; use pydoc-topics:auto or file:/path/to/text",
+            )
+    have = {s.region for s in m.training.data_shards}
+    for i, r in enumerate(m.regions):
+        if r.name not in have:  # its workers would stop at start, after the deployment
+            raise _err(
+                source,
+                "training.data_shards",
+                f"region {r.name} (regions[{i}]) has no data shard and its workers train on "
+                f"their region's data only: add {{name: ..., jurisdiction: {r.jurisdiction}, "
+                f"region: {r.name}}}",
             )
 
 
@@ -575,17 +595,38 @@ def _monitoring(m: StackModel, source: str) -> None:
                 f"{port} is also monitoring.{taken[port]}; give every service its own port",
             )
         taken[port] = key
+    rdzv = m.training.rendezvous_port
+    if mon.enabled and rdzv in taken:  # the exporters run on every node, rank 0's too
+        raise _err(
+            source,
+            "training.rendezvous_port",
+            f"{rdzv} is also monitoring.{taken[rdzv]} (on the nodes it runs on, rank 0's "
+            "among them); give the rendezvous its own port, e.g. 29500",
+        )
     if mon.bind_address != "private":
         import ipaddress
 
         try:
-            ipaddress.IPv4Address(mon.bind_address)
+            addr = ipaddress.IPv4Address(mon.bind_address)
         except ValueError:
             raise _err(
                 source,
                 "monitoring.bind_address",
                 f"'{mon.bind_address}' is neither 'private' nor an IPv4 address",
             ) from None
+        hosts = [n for r in m.regions if r.pool.kind != "local" for n in r.pool.nodes]
+        if len(hosts) > 1 and not addr.is_unspecified:  # 0.0.0.0: every host's own (policy)
+            why = (
+                "a loopback address, which Prometheus on the monitoring host cannot scrape"
+                if addr.is_loopback
+                else f"one address, which {len(hosts)} hosts cannot share"
+            )
+            raise _err(
+                source,
+                "monitoring.bind_address",
+                f"{mon.bind_address} would be every host's metrics address: {why}; leave "
+                "'private' (each host's own private address)",
+            )
     _alert_receivers(m, source)
 
 
@@ -660,6 +701,9 @@ SHARED_DIRS: tuple[str, ...] = ("/", "/data", "/home", "/media", "/mnt", "/opt",
 SHARED_DIRS += ("/run", "/snap", "/srv", "/tmp", "/var", "/var/lib", "/var/tmp")
 """Absolute checkpoint dirs refused as they are (a directory under them is fine): other
 users' and programs' files live there."""
+AGENT_ETC_NAMES = ("launch-spec.json", "firewall.nft", "wireguard", "gateway")
+"""What the host agent keeps in /etc/geotrain: a key file there takes another name
+(infra.render: REMOTE_SPEC_PATH, FIREWALL_PATH, WG_KEY_DIR, GATEWAY_DIR)."""
 
 
 def checkpoint_dir_problem(template: str) -> str | None:
@@ -667,11 +711,25 @@ def checkpoint_dir_problem(template: str) -> str | None:
     root is geotrain's: the host agent makes it the service user's with mode 0750 and
     `geotrain train --fresh` deletes checkpoints in it, so it must be a directory of its
     own, never the launch directory, one above it or a system directory."""
+    return _path_problem(template, file=False)
+
+
+def key_file_problem(template: str) -> str | None:
+    """Why `template` (training.key_file) cannot hold the run key, or None: the host agent
+    writes the key there (replacing what is there), so never a system file or one of the
+    files it manages; directly in /etc/geotrain is fine (the global stack's
+    /etc/geotrain/run.key)."""
+    return _path_problem(template, file=True)
+
+
+def _path_problem(template: str, file: bool) -> str | None:
     d = template
     if not d.strip():
-        return "is empty: the launch directory"
+        return "is empty" + ("" if file else ": the launch directory")
     if d.startswith("~"):
         return "starts with '~', which is not expanded"
+    if file and d.endswith("/"):
+        return "ends with '/': it names a directory, not a file"
     probe = d
     for known in ("{stack}", "{node}", "{region}"):
         probe = probe.replace(known, "x")
@@ -683,6 +741,9 @@ def checkpoint_dir_problem(template: str) -> str | None:
         return "is the filesystem root" if d.startswith("/") else "is the launch directory"
     if d.startswith("/"):
         path = "/" + "/".join(real)
+        if file and real[:2] == ["etc", "geotrain"] and len(real) == 3:  # geotrain's own
+            taken = real[2] in AGENT_ETC_NAMES
+            return f"is the host agent's {path}" if taken else None
         if any(path == t or path.startswith(t + "/") for t in SYSTEM_TREES):
             return f"is in /{real[0]}: system files"
         if path in SHARED_DIRS:
@@ -700,6 +761,14 @@ def _runtime(m: StackModel, source: str) -> None:
             "training.checkpoint.dir",
             f"'{t.checkpoint.dir}' {problem}; use a directory of its own (geotrain owns it: "
             "mode 0750, --fresh empties it), e.g. /var/lib/geotrain/checkpoints",
+        )
+    problem = key_file_problem(t.key_file)
+    if problem is not None:
+        raise _err(
+            source,
+            "training.key_file",
+            f"'{t.key_file}' {problem}; hosts write the run key there, replacing what is "
+            "there: give a file of its own, e.g. .geotrain/{stack}/run.key",
         )
     rest = t.checkpoint.dir
     for known in ("{stack}", "{node}", "{region}"):
@@ -1049,7 +1118,7 @@ def _peering(m: StackModel, source: str, i: int) -> None:
 def _gcp_labels(m: StackModel, source: str) -> None:
     """GCP labels are stricter than tags elsewhere: lowercase keys and values, no dots."""
     for key, value in m.tags.items():
-        if not GCP_LABEL_KEY.match(key) or not GCP_LABEL_VALUE.match(value.lower()):
+        if not GCP_LABEL_KEY.fullmatch(key) or not GCP_LABEL_VALUE.fullmatch(value.lower()):
             raise _err(
                 source,
                 f"tags.{key}",

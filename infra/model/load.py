@@ -7,6 +7,7 @@ config; everything else receives a validated `StackModel`.
 from __future__ import annotations
 
 import math
+import re
 import typing
 from collections.abc import Iterator
 from pathlib import Path
@@ -45,9 +46,8 @@ def load_stack(stack: str, stacks_dir: Path = STACKS_DIR) -> StackModel:
     _check_is_file(stack, path, source, stacks_dir)
     doc = read_yaml(path, source)
     config = _config_mapping(doc, source)
-    name = (
-        path.name[len("Pulumi.") : -len(".yaml")] if path.name.startswith("Pulumi.") else path.stem
-    )
+    stem = path.name[: -len(path.suffix)] if path.suffix in (".yaml", ".yml") else path.name
+    name = stem.removeprefix("Pulumi.")
     return model_from_config(config, name, source)
 
 
@@ -104,8 +104,21 @@ def _kind(value: Any) -> str:
     return ("an " if name[0] in "aeiou" else "a ") + name
 
 
+STACK_NAME = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9_.-]{0,61}[A-Za-z0-9])?")
+"""A stack name: Pulumi's characters, and what geotrain builds from it must stay valid (one
+directory `.geotrain/<stack>`, Kubernetes label values, systemd and config comments)."""
+
+
 def model_from_config(config: dict[str, Any], stack: str, source: str) -> StackModel:
     """Build the model from flat Pulumi config (`geotrain:regions` -> value)."""
+    if not STACK_NAME.fullmatch(stack):
+        raise ConfigError(
+            source,
+            "-",
+            f"stack name {short_repr(stack)} (from the file name Pulumi.<stack>.yaml): use "
+            "letters, digits, '-', '_' and '.', at most 63, starting and ending with a "
+            "letter or digit, e.g. Pulumi.prod-eu.yaml",
+        )
     raw: dict[str, Any] = {"stack": stack}
     secrets = _secret_keys(config)
     for key, value in config.items():

@@ -87,8 +87,9 @@ class Node(Strict):
 
 
 class SshSettings(Strict):
-    user: str = "geotrain"
-    """Login user on every node of the pool (needs sudo for wireguard/frr)."""
+    user: str = Field(default="geotrain", pattern=r"^[a-z_][a-z0-9_-]{0,31}$")
+    """Login user on every node of the pool (needs sudo for wireguard/frr); a POSIX user
+    name (lower case, digits, _ and -; at most 32 characters)."""
     port: int = Field(default=22, ge=1, le=65535)
     """SSH port."""
     private_key_config: str = "geotrain:sshPrivateKey"

@@ -216,8 +216,9 @@ def render_firewall(plan: Plan, node: PlanNode) -> str:
         "    meta l4proto { icmp, ipv6-icmp } accept",
         "    ip saddr @overlay accept",
     ]
-    if admin:
-        lines.append("    tcp dport 22 ip saddr @admin accept")
+    if admin:  # the pool's SSH port: the operator's next `pulumi up` comes in on it
+        ssh_port = plan.region(node.region).pool.ssh.port
+        lines.append(f"    tcp dport {ssh_port} ip saddr @admin accept")
         ui = [
             port
             for s in host_services_of(plan, node)

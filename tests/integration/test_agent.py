@@ -54,6 +54,7 @@ def one_host_plan() -> Plan:
         ],
         "network": {"admin_cidrs": ["198.18.7.0/24"]},
         "monitoring": {"grafana": False},
+        "training": {"data_shards": [{"name": "cn", "jurisdiction": "CN", "region": "beijing"}]},
         "tags": {"owner": "test", "cost-centre": "ci"},
     }
     return build_plan(validate(raw, "test"))

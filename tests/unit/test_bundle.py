@@ -162,3 +162,13 @@ def test_the_agent_re_owns_only_directories_it_made_or_empty_ones(tmp_path: Path
     a.users_and_dirs()
     assert new.stat().st_mode & 0o777 == 0o750
     assert a.state.d["dirs"][-1]["path"] == str(new)
+
+
+def test_the_firewall_admits_ssh_on_the_pools_port(write_stack: Any) -> None:
+    f = write_stack(
+        "global",
+        lambda c: [r["pool"].update(ssh={"port": 2222}) for r in c["geotrain:regions"]],
+    )
+    plan = build_plan(load_stack(str(f)))
+    fw = render_firewall(plan, plan.node("bj-1"))
+    assert "tcp dport 2222 ip saddr @admin accept" in fw and "dport 22 " not in fw

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from click.testing import CliRunner
 
 from geotrain.cli import cli
@@ -145,3 +146,125 @@ def test_validate_gives_no_idle_setting_hints_for_the_shipped_stacks() -> None:
     for stack in ("local", "lab", "global", "k8s", "global-cloud"):
         r = CliRunner().invoke(cli, ["validate", "--stack", stack])
         assert r.exit_code == 0 and "hint:" not in r.output, (stack, r.output)
+
+
+def _regions(c: dict[str, Any]) -> list[dict[str, Any]]:
+    regions: list[dict[str, Any]] = c["geotrain:regions"]
+    return regions
+
+
+@pytest.mark.parametrize(
+    ("base", "mutate", "path", "words"),
+    [
+        (
+            "global",
+            lambda c: c["geotrain:training"].update(key_file="/etc/passwd"),
+            "training.key_file",
+            "system files",
+        ),
+        (
+            "global",
+            lambda c: c["geotrain:training"].update(key_file="/etc/geotrain/firewall.nft"),
+            "training.key_file",
+            "the host agent's",
+        ),
+        ("global", lambda c: c["geotrain:training"].update(key_file=""), "key_file", "empty"),
+        (
+            "global",
+            lambda c: _regions(c)[2]["pool"].update(ssh={"user": "root; touch /tmp/x"}),
+            "pool.ssh.user",
+            "pattern",
+        ),
+        (
+            "global-cloud",
+            lambda c: _regions(c)[0]["pool"].update(ssh={"port": 2222}),
+            "pool.ssh.port",
+            "leave port at 22",
+        ),
+        (
+            "global",
+            lambda c: c["geotrain:training"].update(
+                data_shards=c["geotrain:training"]["data_shards"][1:]
+            ),
+            "training.data_shards",
+            "has no data shard",
+        ),
+        (
+            "global",
+            lambda c: c["geotrain:training"].update(rendezvous_port=9100),
+            "training.rendezvous_port",
+            "monitoring.node_exporter_port",
+        ),
+        (
+            "global",
+            lambda c: c["geotrain:monitoring"].update(bind_address="10.9.9.9"),
+            "monitoring.bind_address",
+            "cannot share",
+        ),
+        (
+            "global",
+            lambda c: c["geotrain:monitoring"].update(bind_address="127.0.0.1"),
+            "monitoring.bind_address",
+            "cannot scrape",
+        ),
+        (
+            "global",
+            lambda c: c["geotrain:tags"].update(owner="ml-platform\n"),
+            "tags",
+            "",
+        ),
+    ],
+)
+def test_settings_that_would_break_hosts_are_refused(
+    write_stack: Any, base: str, mutate: Any, path: str, words: str
+) -> None:
+    r = CliRunner().invoke(cli, ["validate", "--stack", str(write_stack(base, mutate))])
+    assert r.exit_code == 2, r.output
+    lines = [ln for ln in r.output.splitlines() if ln]
+    assert len(lines) == 1 and path in lines[0] and words in lines[0], r.output
+
+
+@pytest.mark.parametrize(
+    ("name", "stack"),
+    [
+        ("Pulumi.global.yml", "global"),  # .yml: the whole name, not one character less
+        ("Pulumi.ok_1.yaml", "ok_1"),
+        ("Pulumi....yaml", None),  # '..': every path built from it would climb out
+        ("Pulumi.a b.yaml", None),
+        ("Pulumi.x\nExecStartPre=touch pwned.yaml", None),
+    ],
+)
+def test_the_stack_name_from_the_file_name_is_checked(
+    tmp_path: Path, name: str, stack: str | None
+) -> None:
+    from tests.conftest import stack_doc
+
+    f = tmp_path / name
+    f.write_text(yaml.safe_dump(stack_doc("global")))
+    r = CliRunner().invoke(cli, ["validate", "--stack", str(f)])
+    if stack is None:
+        assert r.exit_code == 2 and "stack name" in r.output, r.output
+    else:
+        assert r.exit_code == 0 and r.output.startswith(f"{stack}: ok"), r.output
+
+
+@pytest.mark.parametrize(
+    ("text", "words"),
+    [
+        ('{"network-integrity": "Mandatory"}', "enforcement level 'Mandatory'"),
+        ('{"budget-cap": {"maxGPUs": 1}}', "unknown setting; settings here: maxGpus"),
+        ('{"budget-cap": {"maxGpus": "lots"}}', "'lots' is not number"),
+        ('{"no-such-policy": "advisory"}', "unknown policy"),
+        ("[1]", "a JSON object"),
+        ("not json", "cannot read it as JSON"),
+    ],
+)
+def test_a_policy_config_the_engine_would_refuse_is_one_line(
+    tmp_path: Path, text: str, words: str
+) -> None:
+    f = tmp_path / "policy.json"
+    f.write_text(text)
+    r = CliRunner().invoke(cli, ["check", "--stack", "global", "--policy-config", str(f)])
+    assert r.exit_code == 2, r.output
+    lines = [ln for ln in r.output.splitlines() if ln]
+    assert len(lines) == 1 and words in lines[0] and "Traceback" not in r.output, r.output

@@ -315,7 +315,9 @@ def _two_aws_regions(**cloud: Any) -> Any:
     }
     raw["regions"][1]["pool"]["cloud"] = {"region": "us-west-1", **cloud}
     raw["network"]["links"] = [{"a": "oregon", "b": "silicon-valley"}]
-    raw["training"]["data_shards"] = []
+    raw["training"]["data_shards"] = [
+        {"name": f"us-{r}", "jurisdiction": "US", "region": r} for r in ("oregon", "silicon-valley")
+    ]
     raw["monitoring"] = {"host": "sv-0"}
     raw["policy"] = {}
     return validate(raw, "test")
@@ -454,3 +456,29 @@ def test_check_fails_cloud_variants_on_the_named_rule(
     cloud = [v for v in found if v["policy"] == policy and words in v["message"]]
     kinds = {v["message"].split(" ")[1].split(":")[0] for v in cloud}
     assert {"aws", "gcp", "alicloud"} <= kinds, found
+
+
+def test_cloud_init_puts_roots_key_in_root_home(
+    monkeypatch: pytest.MonkeyPatch, write_stack: Any
+) -> None:
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ed25519
+
+    pem = (
+        ed25519.Ed25519PrivateKey.generate()
+        .private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.OpenSSH,
+            serialization.NoEncryption(),
+        )
+        .decode()
+    )
+    import infra.backends.cloud as cloud
+
+    monkeypatch.setattr(cloud, "secret", lambda _key: _Known(pem))
+    f = write_stack(STACK, lambda c: c["geotrain:regions"][0]["pool"].update(ssh={"user": "root"}))
+    plan = build_plan(load_stack(str(f)))
+    text = cloud_init(plan.region("beijing")).value  # type: ignore[attr-defined]
+    runcmd = json.loads(text.removeprefix("#cloud-config\n"))["runcmd"]
+    assert "install -d -m 0700 -o root -g root /root/.ssh" in runcmd
+    assert not any("/home/root" in c for c in runcmd)
