@@ -11,6 +11,7 @@ import click
 
 from geotrain import commands, host_commands, ledger_commands
 from geotrain.options import STACK, friendly
+from training.errors import OutputError
 
 
 @click.group()
@@ -71,16 +72,22 @@ def render(stack: str, out: str) -> None:
     plan = build_plan(load_stack(stack))
     arts = render_all(plan)
     root = Path(out)
-    for a in arts:
-        p = root / a.path
-        p.parent.mkdir(parents=True, exist_ok=True)
-        p.write_text(a.content, encoding="utf-8")
     bundles = 0
-    for n in plan.nodes:
-        role = role_for(n.kind)
-        if role is not None:
-            render_bundle(plan, n, role, runtime_wheel()).write(root / "bundles" / n.name)
-            bundles += 1
+    try:
+        for a in arts:
+            p = root / a.path
+            p.parent.mkdir(parents=True, exist_ok=True)
+            p.write_text(a.content, encoding="utf-8")
+        for n in plan.nodes:
+            role = role_for(n.kind)
+            if role is not None:
+                render_bundle(plan, n, role, runtime_wheel()).write(root / "bundles" / n.name)
+                bundles += 1
+    except OSError as e:  # a path under --out is a file, read-only, ...
+        where = e.filename or root
+        raise OutputError(
+            f"cannot write {where}: {e.strerror or e}; give --out a directory you can write"
+        ) from None
     click.echo(f"wrote {len(arts)} artifacts and {bundles} host bundles to {root}")
 
 

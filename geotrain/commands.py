@@ -264,7 +264,13 @@ def check(stack: str, as_json: bool, policy_config: str | None, emit_config: str
 @click.command()
 @STACK
 @click.option("--once", is_flag=True, help="Print one snapshot and exit.")
-@click.option("--interval", default=2.0, show_default=True, help="Seconds between refreshes.")
+@click.option(
+    "--interval",
+    default=2.0,
+    show_default=True,
+    type=click.FloatRange(min=0.1, max=3600),
+    help="Seconds between refreshes.",
+)
 @friendly
 def top(stack: str, once: bool, interval: float) -> None:
     """Live per-region view from the runtime's metrics endpoints (no Grafana needed)."""
@@ -274,6 +280,8 @@ def top(stack: str, once: bool, interval: float) -> None:
     from infra.model import load_stack
     from infra.plan import build_plan
 
+    if interval != interval:  # NaN passes FloatRange's comparisons
+        raise click.BadParameter("nan is not a number of seconds", param_hint="--interval")
     plan = build_plan(load_stack(stack))
     while True:
         text = format_top(scrape(plan))

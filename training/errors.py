@@ -86,6 +86,11 @@ class SpecError(GeotrainError):
     """A launch spec is malformed or does not match the running world."""
 
 
+class OutputError(GeotrainError):
+    """A directory or file geotrain would write cannot be written, or holds something
+    geotrain did not write (it is never replaced)."""
+
+
 class KeyFileError(GeotrainError):
     """The run's key file is missing, unreadable or malformed."""
 

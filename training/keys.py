@@ -23,8 +23,18 @@ def create_key_file(path: Path) -> bool:
     if path.exists():
         load_key(path)  # an existing but broken key file must not be silently reused
         return False
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    if path.is_symlink():  # exists() is False for a dangling link; O_EXCL refuses it
+        raise KeyFileError(
+            f"key file {path} is a symlink to a missing file; remove the link or give another path"
+        )
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except OSError as e:
+        raise KeyFileError(
+            f"cannot create key file {path}: {e.strerror or e}; give a path in a directory "
+            "you can write"
+        ) from None
     with os.fdopen(fd, "w") as f:
         f.write(secrets.token_hex(KEY_BYTES) + "\n")
     return True

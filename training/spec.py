@@ -437,6 +437,11 @@ class LaunchSpec:
                 f"cannot read launch spec {p}: {e.strerror}; render it with "
                 "`geotrain render --stack S --out DIR`"
             ) from None
+        except UnicodeDecodeError:
+            raise SpecError(
+                f"launch spec {p} is not UTF-8 text (a launch spec is JSON); render it "
+                "with `geotrain render --stack S --out DIR`"
+            ) from None
         return LaunchSpec.from_json(text, str(p))
 
 

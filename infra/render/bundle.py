@@ -27,7 +27,7 @@ from geotrain.agent.hostspec import HOSTSPEC_FILE, MANIFEST_FILE, HostSpec
 from geotrain.version import __version__, source_digest
 from infra.plan import Plan, PlanNode
 from infra.render.host import HostRole, render_host
-from training.errors import GeotrainError
+from training.errors import GeotrainError, OutputError
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 WHEEL_CACHE = REPO_ROOT / ".geotrain" / "wheels"
@@ -75,8 +75,20 @@ class Bundle:
         return Bundle(self.node, files, host)
 
     def write(self, directory: Path) -> Path:
-        """Write the bundle into `directory` (replacing what was there)."""
+        """Write the bundle into `directory`, replacing an earlier bundle there; anything
+        else in its place (a directory without a bundle's manifest, a symlink, a file) is
+        refused, never deleted."""
+        if directory.is_symlink() or (directory.exists() and not directory.is_dir()):
+            raise OutputError(
+                f"{directory} is a symlink or a file, not a bundle geotrain wrote; remove it "
+                "or write the bundles elsewhere"
+            )
         if directory.exists():
+            if any(directory.iterdir()) and not (directory / MANIFEST_FILE).is_file():
+                raise OutputError(
+                    f"{directory} holds files but no bundle manifest: geotrain did not write "
+                    "it and does not delete it; remove it or write the bundles elsewhere"
+                )
             shutil.rmtree(directory)
         for rel, data in self.files.items():
             p = directory / rel

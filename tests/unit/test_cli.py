@@ -268,3 +268,41 @@ def test_a_policy_config_the_engine_would_refuse_is_one_line(
     assert r.exit_code == 2, r.output
     lines = [ln for ln in r.output.splitlines() if ln]
     assert len(lines) == 1 and words in lines[0] and "Traceback" not in r.output, r.output
+
+
+def test_output_paths_that_cannot_be_written_are_one_line(tmp_path: Path) -> None:
+    (tmp_path / "afile").write_text("mine")
+    (tmp_path / "dangling").symlink_to(tmp_path / "missing")
+    (tmp_path / "bin.json").write_bytes(b"\xff\xfe\x00")
+    runner = CliRunner()
+    cases = [
+        (["keygen", "--out", str(tmp_path / "afile" / "x")], "cannot create key file"),
+        (["keygen", "--out", str(tmp_path / "dangling")], "symlink to a missing file"),
+        (["render", "--stack", "local", "--out", str(tmp_path / "afile" / "o")], "cannot write"),
+        (["launch", "--spec", str(tmp_path / "bin.json"), "--node", "x"], "not UTF-8 text"),
+        (["top", "--stack", "local", "--interval", "nan"], "not a number of seconds"),
+        (["top", "--stack", "local", "--interval", "-1"], "not in the range"),
+    ]
+    for args, words in cases:
+        r = runner.invoke(cli, args)
+        assert r.exit_code == 2 and words in r.output, (args, r.output)
+        assert r.exception is None or isinstance(r.exception, SystemExit), (args, r.exception)
+    assert (tmp_path / "afile").read_text() == "mine"
+
+
+def test_render_never_deletes_a_directory_it_did_not_write(tmp_path: Path) -> None:
+    """--out's bundles/<node> is replaced only when it holds a bundle: someone's notes
+    there stop the render, and a second render replaces the first one's bundles."""
+    runner = CliRunner()
+    assert runner.invoke(cli, ["render", "--stack", "lab", "--out", str(tmp_path)]).exit_code == 0
+    again = runner.invoke(cli, ["render", "--stack", "lab", "--out", str(tmp_path)])
+    assert again.exit_code == 0, again.output
+    notes = tmp_path / "bundles" / "bj-gw"
+    import shutil
+
+    shutil.rmtree(notes)
+    (notes / "notes").mkdir(parents=True)
+    (notes / "notes" / "todo.txt").write_text("keep")
+    r = runner.invoke(cli, ["render", "--stack", "lab", "--out", str(tmp_path)])
+    assert r.exit_code == 2 and "no bundle manifest" in r.output, r.output
+    assert (notes / "notes" / "todo.txt").read_text() == "keep"
