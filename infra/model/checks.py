@@ -292,6 +292,23 @@ def _links(m: StackModel, source: str) -> None:
             "no links between regions; add at least one "
             "link per region so every region is reachable",
         )
+    if m.network.links and len(m.regions) > 1:  # the overlay must reach every region
+        reach, todo = {m.regions[0].name}, [m.regions[0].name]
+        while todo:
+            here = todo.pop()
+            for link in m.network.links:
+                for a, b in ((link.a, link.b), (link.b, link.a)):
+                    if a == here and b not in reach:
+                        reach.add(b)
+                        todo.append(b)
+        cut = [r.name for r in m.regions if r.name not in reach]
+        if cut:
+            raise _err(
+                source,
+                "network.links",
+                f"no path of links from {m.regions[0].name} to {', '.join(cut)}: the "
+                "regions' gradients could not meet; add a link to each of them",
+            )
 
 
 def _names(m: StackModel, source: str) -> None:

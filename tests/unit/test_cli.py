@@ -306,3 +306,13 @@ def test_render_never_deletes_a_directory_it_did_not_write(tmp_path: Path) -> No
     r = runner.invoke(cli, ["render", "--stack", "lab", "--out", str(tmp_path)])
     assert r.exit_code == 2 and "no bundle manifest" in r.output, r.output
     assert (notes / "notes" / "todo.txt").read_text() == "keep"
+
+
+def test_links_that_leave_a_region_unreachable_are_refused(write_stack: Any) -> None:
+    def cut(c: dict[str, Any]) -> None:
+        c["geotrain:network"]["links"] = [
+            x for x in c["geotrain:network"]["links"] if "silicon-valley" not in (x["a"], x["b"])
+        ]
+
+    r = CliRunner().invoke(cli, ["validate", "--stack", str(write_stack("global", cut))])
+    assert r.exit_code == 2 and "no path of links from beijing to silicon-valley" in r.output
