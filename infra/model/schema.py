@@ -9,9 +9,17 @@ from __future__ import annotations
 
 import ipaddress
 import types
-from typing import Any, Literal, Union, get_args, get_origin
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PositiveFloat,
+    StringConstraints,
+    ValidationInfo,
+    field_validator,
+)
 
 from infra.model.fault_tolerance import FaultTolerance
 
@@ -22,6 +30,7 @@ SyncMode = Literal["allreduce", "diloco"]
 Quantize = Literal["none", "fp16", "bf16", "int8", "int4", "ternary"]
 Cipher = Literal["sm4-gcm", "aes-gcm", "none"]
 _CN: Jurisdiction = "CN"
+NonEmptyStr = Annotated[str, StringConstraints(min_length=1, strip_whitespace=False)]
 
 
 class Strict(BaseModel):
@@ -524,19 +533,19 @@ class Policy(Strict):
     """Budget: total accelerators."""
     max_usd_per_hour: float | None = Field(default=None, gt=0)
     """Budget: estimated hourly cost from the price table."""
-    gpu_prices: dict[str, float] = Field(default_factory=dict)
+    gpu_prices: dict[str, PositiveFloat] = Field(default_factory=dict)
     """Overrides of the default USD/GPU-hour prices."""
     encryption_required_for: list[Jurisdiction] = Field(default_factory=lambda: [_CN])
     """Jurisdictions whose regions require payload encryption with sm4-gcm."""
-    max_checkpoint_interval_minutes: float = 30
+    max_checkpoint_interval_minutes: float = Field(default=30, gt=0)
     """Checkpoints at least this often."""
-    min_checkpoint_keep: int = 2
+    min_checkpoint_keep: int = Field(default=2, ge=1)
     """Checkpoints to keep at least."""
     dp_required_for: list[Jurisdiction] = Field(default_factory=list)
     """Jurisdictions whose regions must train with differential privacy (regions[].privacy)."""
     max_dp_epsilon: float | None = Field(default=None, gt=0)
     """Largest target_epsilon a DP region may set (default: no cap)."""
-    required_tags: list[str] = Field(default_factory=lambda: ["owner", "cost-centre"])
+    required_tags: list[NonEmptyStr] = Field(default_factory=lambda: ["owner", "cost-centre"])
     """Tags every resource must carry (jurisdiction is added per region)."""
 
 

@@ -316,3 +316,20 @@ def test_links_that_leave_a_region_unreachable_are_refused(write_stack: Any) -> 
 
     r = CliRunner().invoke(cli, ["validate", "--stack", str(write_stack("global", cut))])
     assert r.exit_code == 2 and "no path of links from beijing to silicon-valley" in r.output
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("gpu_prices", {"A100-80GB": -100}),  # a negative price passed the budget cap
+        ("min_checkpoint_keep", -1),
+        ("max_checkpoint_interval_minutes", -5),
+        ("required_tags", [""]),
+    ],
+)
+def test_policy_settings_out_of_their_range_are_refused(
+    write_stack: Any, key: str, value: Any
+) -> None:
+    f = write_stack("global", lambda c: c.setdefault("geotrain:policy", {}).update({key: value}))
+    r = CliRunner().invoke(cli, ["validate", "--stack", str(f)])
+    assert r.exit_code == 2 and f"policy.{key}" in r.output, r.output
