@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import re
+from typing import Any
 
 from infra.model import fault_tolerance
 from infra.model.gpus import GPU_TYPES
@@ -827,6 +828,54 @@ K8S_RUN_SUFFIX = 11
 """The run id is `<stack>-<10 hex digits>`; it names the run in labels and files."""
 
 
+QUALIFIED_NAME = re.compile(
+    r"(?:[a-z0-9](?:[-a-z0-9]*[a-z0-9])?(?:\.[a-z0-9](?:[-a-z0-9]*[a-z0-9])?)*/)?"
+    r"[A-Za-z0-9](?:[-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?"
+)
+"""A Kubernetes label key, taint key or extended resource name: an optional DNS prefix and
+'/', then a name of at most 63 characters."""
+DNS_SUBDOMAIN = re.compile(r"[a-z0-9](?:[-a-z0-9.]{0,251}[a-z0-9])?")
+
+
+def _k8s_names(k: Any, source: str, path: str) -> None:
+    """Names and labels the API server would refuse, refused here with their key path."""
+    for field in ("node_selector", "gateway_node_selector"):
+        for key, value in getattr(k, field).items():
+            if not QUALIFIED_NAME.fullmatch(key) or len(key.split("/")[0]) > 253:
+                raise _err(
+                    source, f"{path}.{field}", f"label key {key!r} is not a Kubernetes label key"
+                )
+            if not LABEL_VALUE.fullmatch(value):
+                raise _err(
+                    source,
+                    f"{path}.{field}.{key}",
+                    f"label value {value!r}: at most 63 letters, digits, '-', '_' or '.', "
+                    "starting and ending with a letter or digit",
+                )
+    if not QUALIFIED_NAME.fullmatch(k.gpu_resource):
+        raise _err(
+            source,
+            f"{path}.gpu_resource",
+            f"{k.gpu_resource!r} is not a resource name; e.g. nvidia.com/gpu",
+        )
+    if k.storage_class is not None and not DNS_SUBDOMAIN.fullmatch(k.storage_class):
+        raise _err(
+            source,
+            f"{path}.storage_class",
+            f"{k.storage_class!r} is not a StorageClass name (lower case, digits, '-', '.')",
+        )
+    for j, t in enumerate(k.tolerations):
+        if t.key is not None and not QUALIFIED_NAME.fullmatch(t.key):
+            raise _err(source, f"{path}.tolerations[{j}].key", f"{t.key!r} is not a taint key")
+        if t.operator == "Exists" and t.value:
+            raise _err(
+                source,
+                f"{path}.tolerations[{j}].value",
+                "operator Exists matches the key alone and takes no value; drop value or "
+                "use operator Equal",
+            )
+
+
 def _kubernetes(m: StackModel, source: str) -> None:
     """Settings a cluster would refuse, or that would leave the pods unable to train."""
     kube = [(i, r) for i, r in enumerate(m.regions) if r.pool.kind == "kubernetes"]
@@ -851,6 +900,7 @@ def _kubernetes(m: StackModel, source: str) -> None:
                 "set the context of this region's cluster in its kubeconfig",
             )
         _k8s_nodes(m, source, i)
+        _k8s_names(k, source, path)
         if k.variant == "cpu" and any(n.gpu_type != "cpu" for n in r.pool.nodes):
             raise _err(
                 source,

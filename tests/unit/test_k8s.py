@@ -533,3 +533,24 @@ def test_worker_checks_torchruns_ranks_against_the_spec() -> None:
         torchrun.from_env(spec, {**env, "RANK": "4"})
     with pytest.raises(SpecError, match=r"\$GROUP_RANK is not set"):
         torchrun.from_env(spec, {k: v for k, v in env.items() if k != "GROUP_RANK"})
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "words"),
+    [
+        ("node_selector", {"bad key!": "x"}, "not a Kubernetes label key"),
+        ("node_selector", {"ok/key": "bad value"}, "label value 'bad value'"),
+        ("gateway_node_selector", {"geotrain.io/gateway": "yes please"}, "label value"),
+        ("gpu_resource", "nvidia gpu", "not a resource name"),
+        ("storage_class", "Fast SSD", "not a StorageClass name"),
+        ("tolerations", [{"key": "a", "operator": "Exists", "value": "b"}], "takes no value"),
+    ],
+)
+def test_names_the_api_server_would_refuse_are_refused_by_validate(
+    write_stack: Any, key: str, value: Any, words: str
+) -> None:
+    def put(c: dict[str, Any]) -> None:
+        c["geotrain:regions"][0]["pool"]["kubernetes"][key] = value
+
+    r = CliRunner().invoke(cli, ["validate", "--stack", str(write_stack("k8s", put))])
+    assert r.exit_code == 2 and words in r.output and f"kubernetes.{key}" in r.output, r.output
