@@ -418,11 +418,18 @@ def _shards(m: StackModel, source: str) -> None:
                 f"{s.jurisdiction} data but region {s.region} is in "
                 f"{region.jurisdiction}; data must stay in its jurisdiction: {hint}",
             )
-        if not (s.uri.startswith("pydoc-topics:") or s.uri.startswith("file:")):
+        if not (s.uri == "pydoc-topics:auto" or s.uri.startswith("file:")):
             raise _err(
                 source,
                 f"training.data_shards[{i}].uri",
                 f"unsupported uri '{s.uri}'; use pydoc-topics:auto or file:/path/to/text",
+            )
+        if s.uri.strip() in ("file:", "file:.", "file:./"):  # every .txt under the launch dir
+            raise _err(
+                source,
+                f"training.data_shards[{i}].uri",
+                f"'{s.uri}' names the launch directory, and the shard would take every .txt "
+                "under it; give the shard's own file or directory, e.g. file:/data/cn",
             )
     have = {s.region for s in m.training.data_shards}
     for i, r in enumerate(m.regions):

@@ -333,3 +333,10 @@ def test_policy_settings_out_of_their_range_are_refused(
     f = write_stack("global", lambda c: c.setdefault("geotrain:policy", {}).update({key: value}))
     r = CliRunner().invoke(cli, ["validate", "--stack", str(f)])
     assert r.exit_code == 2 and f"policy.{key}" in r.output, r.output
+
+
+@pytest.mark.parametrize("uri", ["file:", "file:.", "pydoc-topics:nonsense"])
+def test_a_shard_uri_that_names_no_data_of_its_own_is_refused(write_stack: Any, uri: str) -> None:
+    f = write_stack("local", lambda c: c["geotrain:training"]["data_shards"][0].update(uri=uri))
+    r = CliRunner().invoke(cli, ["validate", "--stack", str(f)])
+    assert r.exit_code == 2 and "data_shards[0].uri" in r.output, r.output
