@@ -1217,6 +1217,21 @@ def idle_settings(m: StackModel) -> list[str]:
             f"hint: training.diloco.mix {d.mix:g} has no effect with tau 0 (a merge lands at "
             "once, with no local progress since its send to keep); set tau, or drop mix"
         )
+    from infra.model.clouds import CLOUD_KINDS
+
+    for i, r in enumerate(m.regions):
+        uses = {
+            "ssh": r.pool.kind == "ssh" or r.pool.kind in CLOUD_KINDS,
+            "kubernetes": r.pool.kind == "kubernetes",
+            "cloud": r.pool.kind in CLOUD_KINDS,
+        }
+        for key, used in uses.items():
+            value = getattr(r.pool, key)
+            if not used and value != type(value)():
+                out.append(
+                    f"hint: regions[{i}].pool.{key} is set but a {r.pool.kind} pool does not "
+                    "use it"
+                )
     if t.checkpoint.interval_steps >= t.steps:
         out.append(
             f"hint: training.checkpoint.interval_steps {t.checkpoint.interval_steps} is not "

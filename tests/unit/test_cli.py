@@ -340,3 +340,12 @@ def test_a_shard_uri_that_names_no_data_of_its_own_is_refused(write_stack: Any, 
     f = write_stack("local", lambda c: c["geotrain:training"]["data_shards"][0].update(uri=uri))
     r = CliRunner().invoke(cli, ["validate", "--stack", str(f)])
     assert r.exit_code == 2 and "data_shards[0].uri" in r.output, r.output
+
+
+def test_validate_names_pool_settings_the_pool_kind_does_not_use(write_stack: Any) -> None:
+    def put(c: dict[str, Any]) -> None:
+        c["geotrain:regions"][1]["pool"]["kubernetes"] = {"namespace": "ml"}
+
+    r = CliRunner().invoke(cli, ["validate", "--stack", str(write_stack("global", put))])
+    assert r.exit_code == 0, r.output
+    assert "hint: regions[1].pool.kubernetes is set but a ssh pool does not use it" in r.output
