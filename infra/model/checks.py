@@ -1229,8 +1229,8 @@ def idle_settings(m: StackModel) -> list[str]:
             value = getattr(r.pool, key)
             if not used and value != type(value)():
                 out.append(
-                    f"hint: regions[{i}].pool.{key} is set but a {r.pool.kind} pool does not "
-                    "use it"
+                    f"hint: regions[{i}].pool.{key} is set but pools of kind {r.pool.kind} "
+                    "do not use it"
                 )
     if t.checkpoint.interval_steps >= t.steps:
         out.append(

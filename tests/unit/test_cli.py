@@ -348,4 +348,4 @@ def test_validate_names_pool_settings_the_pool_kind_does_not_use(write_stack: An
 
     r = CliRunner().invoke(cli, ["validate", "--stack", str(write_stack("global", put))])
     assert r.exit_code == 0, r.output
-    assert "hint: regions[1].pool.kubernetes is set but a ssh pool does not use it" in r.output
+    assert "hint: regions[1].pool.kubernetes is set but pools of kind ssh do not use it" in r.output
