@@ -163,7 +163,18 @@ def test_region_without_a_shard_is_a_clear_error(tmp_path: Path) -> None:
     )
     r = geotrain("train", "--stack", str(stack), cwd=tmp_path)
     assert r.returncode == 2
-    assert "silicon-valley has no data shard" in r.stderr, r.stderr
+    line = r.stderr.strip()
+    assert "region silicon-valley (regions[2]) has no data shard" in line, r.stderr
+    assert "data_shards" in line and not (tmp_path / ".geotrain").exists()  # nothing started
+    # a launch spec made by hand without it stops the worker with the same reason
+    from types import SimpleNamespace
+
+    from training.data import load_region_text
+    from training.errors import DataError
+
+    region = SimpleNamespace(name="silicon-valley", jurisdiction="US", shards=[])
+    with pytest.raises(DataError, match="silicon-valley has no data shard"):
+        load_region_text(region, 2, 3)  # type: ignore[arg-type]
 
 
 def test_streaming_ternary_merges_report_their_exchanges_and_end_as_one_model(
