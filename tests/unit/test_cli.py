@@ -153,68 +153,29 @@ def _regions(c: dict[str, Any]) -> list[dict[str, Any]]:
     return regions
 
 
-@pytest.mark.parametrize(
-    ("base", "mutate", "path", "words"),
-    [
-        (
-            "global",
-            lambda c: c["geotrain:training"].update(key_file="/etc/passwd"),
-            "training.key_file",
-            "system files",
-        ),
-        (
-            "global",
-            lambda c: c["geotrain:training"].update(key_file="/etc/geotrain/firewall.nft"),
-            "training.key_file",
-            "the host agent's",
-        ),
-        ("global", lambda c: c["geotrain:training"].update(key_file=""), "key_file", "empty"),
-        (
-            "global",
-            lambda c: _regions(c)[2]["pool"].update(ssh={"user": "root; touch /tmp/x"}),
-            "pool.ssh.user",
-            "pattern",
-        ),
-        (
-            "global-cloud",
-            lambda c: _regions(c)[0]["pool"].update(ssh={"port": 2222}),
-            "pool.ssh.port",
-            "leave port at 22",
-        ),
-        (
-            "global",
-            lambda c: c["geotrain:training"].update(
-                data_shards=c["geotrain:training"]["data_shards"][1:]
-            ),
-            "training.data_shards",
-            "has no data shard",
-        ),
-        (
-            "global",
-            lambda c: c["geotrain:training"].update(rendezvous_port=9100),
-            "training.rendezvous_port",
-            "monitoring.node_exporter_port",
-        ),
-        (
-            "global",
-            lambda c: c["geotrain:monitoring"].update(bind_address="10.9.9.9"),
-            "monitoring.bind_address",
-            "cannot share",
-        ),
-        (
-            "global",
-            lambda c: c["geotrain:monitoring"].update(bind_address="127.0.0.1"),
-            "monitoring.bind_address",
-            "cannot scrape",
-        ),
-        (
-            "global",
-            lambda c: c["geotrain:tags"].update(owner="ml-platform\n"),
-            "tags",
-            "",
-        ),
-    ],
-)
+def _upd(section: str, **values: Any) -> Any:
+    return lambda c: c[f"geotrain:{section}"].update(values)
+
+
+def _fewer_shards(c: dict[str, Any]) -> None:
+    c["geotrain:training"]["data_shards"] = c["geotrain:training"]["data_shards"][1:]
+
+
+BREAKS_HOSTS = [
+    ("global", _upd("training", key_file="/etc/passwd"), "training.key_file", "system files"),
+    ("global", _upd("training", key_file="/etc/geotrain/firewall.nft"), "key_file", "agent's"),
+    ("global", _upd("training", key_file=""), "key_file", "empty"),
+    ("global", lambda c: _regions(c)[2]["pool"].update(ssh={"user": "r;x"}), "ssh.user", ""),
+    ("global-cloud", lambda c: _regions(c)[0]["pool"].update(ssh={"port": 2}), "ssh.port", "22"),
+    ("global", _fewer_shards, "training.data_shards", "has no data shard"),
+    ("global", _upd("training", rendezvous_port=9100), "rendezvous_port", "node_exporter"),
+    ("global", _upd("monitoring", bind_address="10.9.9.9"), "bind_address", "cannot share"),
+    ("global", _upd("monitoring", bind_address="127.0.0.1"), "bind_address", "cannot scrape"),
+    ("global", _upd("tags", owner="ml-platform\n"), "tags", ""),
+]
+
+
+@pytest.mark.parametrize(("base", "mutate", "path", "words"), BREAKS_HOSTS)
 def test_settings_that_would_break_hosts_are_refused(
     write_stack: Any, base: str, mutate: Any, path: str, words: str
 ) -> None:
