@@ -87,6 +87,24 @@ def _regions(m: StackModel, source: str) -> None:
 
 def _addresses(m: StackModel, source: str) -> None:
     net = m.network
+    ov = net.overlay_cidr
+    if ov.is_loopback or ov.is_multicast or ov.is_link_local or ov.is_reserved:
+        raise _err(
+            source,
+            "network.overlay_cidr",
+            f"{ov} is a loopback, multicast, link-local or reserved block, which hosts do "
+            "not route; use private space such as 10.42.0.0/16",
+        )
+    for i, r in enumerate(m.regions):
+        for j, n in enumerate(r.pool.nodes):
+            addr = n.address
+            if addr.is_unspecified or addr.is_multicast or addr.is_reserved:  # and broadcast
+                raise _err(
+                    source,
+                    f"regions[{i}].pool.nodes[{j}].address",
+                    f"{addr} is not a host's address (unspecified, multicast, broadcast or "
+                    "reserved); give the address the operator reaches the node on",
+                )
     if not net.transfer_cidr.subnet_of(net.overlay_cidr):
         raise _err(
             source,

@@ -310,3 +310,18 @@ def test_validate_names_pool_settings_the_pool_kind_does_not_use(write_stack: An
     r = CliRunner().invoke(cli, ["validate", "--stack", str(write_stack("global", put))])
     assert r.exit_code == 0, r.output
     assert "hint: regions[1].pool.kubernetes is set but pools of kind ssh do not use it" in r.output
+
+
+@pytest.mark.parametrize("address", ["0.0.0.0", "255.255.255.255", "224.0.0.1"])
+def test_a_node_address_no_host_has_is_refused(write_stack: Any, address: str) -> None:
+    f = write_stack("global", lambda c: _regions(c)[0]["pool"]["nodes"][1].update(address=address))
+    r = CliRunner().invoke(cli, ["validate", "--stack", str(f)])
+    assert r.exit_code == 2 and "is not a host's address" in r.output, r.output
+
+
+@pytest.mark.parametrize("cidr", ["127.0.0.0/16", "224.0.0.0/16"])
+def test_an_overlay_hosts_do_not_route_is_refused(write_stack: Any, cidr: str) -> None:
+    r = CliRunner().invoke(
+        cli, ["validate", "--stack", str(write_stack("global", _upd("network", overlay_cidr=cidr)))]
+    )
+    assert r.exit_code == 2 and "network.overlay_cidr" in r.output, r.output
