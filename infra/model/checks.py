@@ -700,12 +700,25 @@ def _alert_receivers(m: StackModel, source: str) -> None:
                 f"{path}.webhook_token_config",
                 "a webhook token needs webhook_url; set it or drop the token",
             )
-        if r.webhook_url and not r.webhook_url.startswith(("https://", "http://")):
-            raise _err(
-                source,
-                f"{path}.webhook_url",
-                f"'{r.webhook_url}' is not an http(s) URL",
-            )
+        if r.webhook_url:
+            from urllib.parse import urlsplit
+
+            u = urlsplit(r.webhook_url)
+            if u.scheme not in ("https", "http") or not u.hostname:
+                raise _err(
+                    source,
+                    f"{path}.webhook_url",
+                    f"'{r.webhook_url}' is not an http(s) URL with a host",
+                )
+            if u.username or u.password:
+                raise _err(
+                    source,
+                    f"{path}.webhook_url",
+                    "the URL carries credentials, which would sit in the rendered config; "
+                    "put the token in webhook_token_config (a secret)",
+                )
+        if r.email and not EMAIL.fullmatch(r.email):
+            raise _err(source, f"{path}.email", f"'{r.email}' is not an e-mail address")
         if r.email and m.monitoring.smtp is None:
             raise _err(
                 source,
@@ -718,6 +731,24 @@ def _alert_receivers(m: StackModel, source: str) -> None:
                 f"{path}.severities",
                 "no severities: the receiver would get nothing; use critical and/or warning",
             )
+    smtp = m.monitoring.smtp
+    if smtp is not None:
+        host, _, port = smtp.smarthost.rpartition(":")
+        if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+            raise _err(
+                source,
+                "monitoring.smtp.smarthost",
+                f"'{smtp.smarthost}' is not host:port (Alertmanager needs the port), e.g. "
+                "smtp.example.org:587",
+            )
+        if not EMAIL.fullmatch(smtp.sender):
+            raise _err(
+                source, "monitoring.smtp.sender", f"'{smtp.sender}' is not an e-mail address"
+            )
+
+
+EMAIL = re.compile(r"[^@\s]+@[^@\s]+\.[^@\s]+")
+"""An address Alertmanager can send to or from: local part, @, a dotted domain."""
 
 
 def _policy(m: StackModel, source: str) -> None:

@@ -458,3 +458,41 @@ def test_run_plot_without_matplotlib_returns_none(
     assert plot.write_run_plot(_events("allreduce"), tmp_path / "run.png") is None
     assert not plot.available()
     assert not (tmp_path / "run.png").exists()
+
+
+@pytest.mark.parametrize(
+    ("monitoring", "path", "error"),
+    [
+        (
+            {"receivers": [{"name": "ops", "webhook_url": "https://"}]},
+            "receivers[0].webhook_url",
+            "a host",
+        ),
+        (
+            {"receivers": [{"name": "ops", "webhook_url": "https://u:p@alerts.example.com/x"}]},
+            "receivers[0].webhook_url",
+            "carries credentials",
+        ),
+        (
+            {**RECEIVERS, "receivers": [{"name": "ops", "email": "not an email"}]},
+            "receivers[0].email",
+            "is not an e-mail address",
+        ),
+        (
+            {**RECEIVERS, "smtp": {"smarthost": "smtp.example.com", "sender": "a@b.c"}},
+            "smtp.smarthost",
+            "is not host:port",
+        ),
+        (
+            {**RECEIVERS, "smtp": {"smarthost": "smtp.example.com:587", "sender": "geotrain"}},
+            "smtp.sender",
+            "is not an e-mail address",
+        ),
+    ],
+)
+def test_alert_destinations_alertmanager_would_refuse_are_rejected(
+    monitoring: dict[str, Any], path: str, error: str
+) -> None:
+    with pytest.raises(ConfigError, match=error) as e:
+        _with_monitoring("global", **{"smtp": None, **monitoring})
+    assert f"geotrain:monitoring.{path}" in str(e.value)
