@@ -24,6 +24,7 @@ from pulumi_policy import (
 )
 
 from infra import tokens
+from infra.model.checks import reachable
 from infra.model.clouds import instance_type_gpus, taggable_types
 from infra.model.gpus import GPU_TYPES
 from infra.model.schema import Policy
@@ -502,15 +503,7 @@ def network_integrity(args: StackValidationArgs, report: Report) -> None:
 
 
 def _connected(nodes: list[str], links: list[tuple[str, ...]]) -> bool:
-    reach, todo = {nodes[0]}, [nodes[0]]
-    while todo:
-        n = todo.pop()
-        for a, b in links:
-            for x, y in ((a, b), (b, a)):
-                if x == n and y not in reach:
-                    reach.add(y)
-                    todo.append(y)
-    return reach == set(nodes)
+    return reachable(nodes[0], [(a, b) for a, b in links]) == set(nodes)
 
 
 # -- admin SSH (stack) ----------------------------------------------------------------

@@ -312,14 +312,7 @@ def _links(m: StackModel, source: str) -> None:
             "link per region so every region is reachable",
         )
     if m.network.links and len(m.regions) > 1:  # the overlay must reach every region
-        reach, todo = {m.regions[0].name}, [m.regions[0].name]
-        while todo:
-            here = todo.pop()
-            for link in m.network.links:
-                for a, b in ((link.a, link.b), (link.b, link.a)):
-                    if a == here and b not in reach:
-                        reach.add(b)
-                        todo.append(b)
+        reach = reachable(m.regions[0].name, [(lk.a, lk.b) for lk in m.network.links])
         cut = [r.name for r in m.regions if r.name not in reach]
         if cut:
             raise _err(
@@ -328,6 +321,20 @@ def _links(m: StackModel, source: str) -> None:
                 f"no path of links from {m.regions[0].name} to {', '.join(cut)}: the "
                 "regions' gradients could not meet; add a link to each of them",
             )
+
+
+def reachable(start: str, links: list[tuple[str, str]]) -> set[str]:
+    """The regions a path of links joins to `start` (itself included); the policy pack's
+    network-integrity check reads it too."""
+    reach, todo = {start}, [start]
+    while todo:
+        here = todo.pop()
+        for a, b in links:
+            for x, y in ((a, b), (b, a)):
+                if x == here and y not in reach:
+                    reach.add(y)
+                    todo.append(y)
+    return reach
 
 
 def _names(m: StackModel, source: str) -> None:
@@ -775,9 +782,16 @@ SHARED_DIRS: tuple[str, ...] = ("/", "/data", "/home", "/media", "/mnt", "/opt",
 SHARED_DIRS += ("/run", "/snap", "/srv", "/tmp", "/var", "/var/lib", "/var/tmp")
 """Absolute checkpoint dirs refused as they are (a directory under them is fine): other
 users' and programs' files live there."""
-AGENT_ETC_NAMES = ("launch-spec.json", "firewall.nft", "wireguard", "gateway")
-"""What the host agent keeps in /etc/geotrain: a key file there takes another name
-(infra.render: REMOTE_SPEC_PATH, FIREWALL_PATH, WG_KEY_DIR, GATEWAY_DIR)."""
+
+
+def _agent_etc_names() -> set[str]:
+    """What the host agent keeps in /etc/geotrain: a key file there takes another name."""
+    from infra.render.host import FIREWALL_PATH
+    from infra.render.k8s import GATEWAY_DIR
+    from infra.render.network import WG_KEY_DIR
+    from infra.render.runtime import REMOTE_SPEC_PATH
+
+    return {p.rsplit("/", 1)[1] for p in (REMOTE_SPEC_PATH, FIREWALL_PATH, WG_KEY_DIR, GATEWAY_DIR)}
 
 
 def checkpoint_dir_problem(template: str) -> str | None:
@@ -816,7 +830,7 @@ def _path_problem(template: str, file: bool) -> str | None:
     if d.startswith("/"):
         path = "/" + "/".join(real)
         if file and real[:2] == ["etc", "geotrain"] and len(real) == 3:  # geotrain's own
-            taken = real[2] in AGENT_ETC_NAMES
+            taken = real[2] in _agent_etc_names()
             return f"is the host agent's {path}" if taken else None
         if any(path == t or path.startswith(t + "/") for t in SYSTEM_TREES):
             return f"is in /{real[0]}: system files"
