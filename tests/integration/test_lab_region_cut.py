@@ -127,6 +127,7 @@ def test_a_region_cut_off_is_left_out_restarts_alone_and_heals_bitwise_equal(
         # their heartbeats stop meanwhile, so nobody forms a quorum without them: a
         # scenario step, not a synchronisation
         stopped = [of(events(run), "start", r)[-1]["pid"] for r in OTHERS]
+        t_held = time.time()
         for pid in stopped:
             os.kill(pid, signal.SIGSTOP)
         bj_log = run / "logs" / f"{plan.region(CUT).gateway.name}-0.log"
@@ -146,7 +147,7 @@ def test_a_region_cut_off_is_left_out_restarts_alone_and_heals_bitwise_equal(
             proc.wait()
     assert proc.returncode == 0, out[-3000:]
     log = events(run)
-    healed = trained_on_and_healed(log, CUT, OTHERS, STEPS)
+    healed = trained_on_and_healed(log, CUT, OTHERS, STEPS, held=t_held)
     after_cut = [e for e in of(log, "step", OTHERS[0]) if e["t"] > t_cut]
     print(f"stall after the cut {after_cut[0]['t'] - t_cut:.1f} s")
     left_out = [e for e in of(log, "quorum", OTHERS[0]) if e["t"] > t_cut]

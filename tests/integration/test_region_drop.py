@@ -210,6 +210,7 @@ def test_geotrain_train_a_region_killed_is_restarted_by_its_torchrun_alone_and_h
         # hold the survivors while torchrun restarts beijing (the run would end first)
         held = [of(events(run), "start", r)[-1]["pid"] for r in SURVIVORS]
         stopped += held
+        t_held = time.time()
         for pid in held:
             os.kill(pid, signal.SIGSTOP)
         os.kill(agent, signal.SIGCONT)
@@ -226,5 +227,5 @@ def test_geotrain_train_a_region_killed_is_restarted_by_its_torchrun_alone_and_h
             proc.wait()
     assert proc.returncode == 0, out[-3000:]
     log = events(run)
-    trained_on_and_healed(log, KILLED, SURVIVORS, LOCAL_STEPS)
+    trained_on_and_healed(log, KILLED, SURVIVORS, LOCAL_STEPS, held=t_held)
     assert "restarting region beijing alone" in out  # the launcher reported it
