@@ -273,7 +273,9 @@ def check(stack: str, as_json: bool, policy_config: str | None, emit_config: str
 )
 @friendly
 def top(stack: str, once: bool, interval: float) -> None:
-    """Live per-region view from the runtime's metrics endpoints (no Grafana needed)."""
+    """Live per-region view from the runtime's metrics endpoints (no Grafana needed).
+    With --once, exits 1 when no endpoint answered."""
+    import sys
     import time
 
     from geotrain.monitoring import format_top, scrape
@@ -284,9 +286,12 @@ def top(stack: str, once: bool, interval: float) -> None:
         raise click.BadParameter("nan is not a number of seconds", param_hint="--interval")
     plan = build_plan(load_stack(stack))
     while True:
-        text = format_top(scrape(plan))
+        views = scrape(plan)
+        text = format_top(views, stack)
         if once:
             click.echo(text)
+            if not any(v.up for v in views.values()):
+                sys.exit(1)  # scripts: nothing answered
             return
         click.clear()
         click.echo(f"geotrain top - {plan.stack} (Ctrl-C to quit)\n{text}")

@@ -124,7 +124,9 @@ class RegionView:
 def targets(plan: Plan) -> list[tuple[str, str]]:
     """(region, url) of every runtime metrics endpoint."""
     base = plan.monitoring.metrics_port
-    out = []
+    out: list[tuple[str, str]] = []
+    if base == 0:  # metrics off: no endpoint (training.spec.metrics_port)
+        return out
     for n in plan.nodes:
         for i in range(n.gpus):
             port = metrics_port(base, n.first_rank, i, n.kind == "local")
@@ -173,7 +175,7 @@ def _fold_quorum(v: RegionView, text: str) -> None:
                 v.excluded.add(s.labels["excluded_region"])
 
 
-def format_top(views: dict[str, RegionView]) -> str:
+def format_top(views: dict[str, RegionView], stack: str = "<stack>") -> str:
     ft = any(v.quorum is not None for v in views.values())
     rows = [
         f"{'region':<16}{'up':>6}{'step':>8}{'loss':>9}{'tok/s':>10}{'sync s':>9}{'ckpt age':>10}"
@@ -184,14 +186,33 @@ def format_top(views: dict[str, RegionView]) -> str:
         sync = f"{sum(v.sync_s) / len(v.sync_s):.3f}" if v.sync_s else "-"
         age = f"{v.ckpt_age:.0f}s" if v.ckpt_age is not None else "-"
         quorum = "" if not ft else f"{v.quorum:>8.0f}" if v.quorum is not None else f"{'-':>8}"
+        # no endpoint answered: nothing is known, not step 0 at 0 tokens/s
+        step = f"{v.step:.0f}" if v.up else "-"
+        rate = f"{v.tokens_per_s:.0f}" if v.up else "-"
         rows.append(
-            f"{name:<16}{f'{v.up}/{v.targets}':>6}{v.step:>8.0f}{loss:>9}"
-            f"{v.tokens_per_s:>10.0f}{sync:>9}{age:>10}{quorum}"
+            f"{name:<16}{f'{v.up}/{v.targets}':>6}{step:>8}{loss:>9}"
+            f"{rate:>10}{sync:>9}{age:>10}{quorum}"
         )
     out = set().union(*(v.excluded for v in views.values())) if views else set()
     if out:
         rows.append(f"left out of the training quorum: {', '.join(sorted(out))}")
+    if not any(v.up for v in views.values()):
+        rows.append(silent(views, stack))
     return "\n".join(rows)
+
+
+def silent(views: dict[str, RegionView], stack: str) -> str:
+    """What `geotrain top` says when no metrics endpoint answered."""
+    if not any(v.targets for v in views.values()):
+        return (
+            "no metrics endpoints: the stack sets monitoring.metrics_port 0 "
+            "(set a port, for example 9400, to watch a run)"
+        )
+    n = sum(v.targets for v in views.values())
+    return (
+        f"none of the {n} metrics endpoints answered: no run of this stack is training now "
+        f"(start one with `geotrain train --stack {stack}`), or they are not reachable from here"
+    )
 
 
 def query(url: str, promql: str, timeout: float = 5.0) -> list[dict[str, Any]]:

@@ -329,6 +329,31 @@ def test_top_folds_an_exposition_into_a_region_row() -> None:
     assert "beijing" in out and "1/1" in out and "2.500" in out
 
 
+def test_top_shows_no_numbers_where_no_endpoint_answered_and_says_why(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from geotrain.cli import cli
+    from geotrain.commands import free_port
+    from geotrain.monitoring import targets
+
+    doc = yaml.safe_load((STACKS / "Pulumi.local.yaml").read_text())
+    doc["config"]["geotrain:monitoring"]["metrics_port"] = free_port()  # nothing listens
+    f = tmp_path / "Pulumi.quiet.yaml"
+    f.write_text(yaml.safe_dump(doc))
+    r = CliRunner().invoke(cli, ["top", "--stack", str(f), "--once"])
+    assert r.exit_code == 1, r.output
+    beijing = next(line for line in r.output.splitlines() if line.startswith("beijing"))
+    assert beijing.split()[1:] == ["0/2", "-", "-", "-", "-", "-"]  # not step 0 at 0 tok/s
+    assert "none of the 6 metrics endpoints answered" in r.output
+    assert f"geotrain train --stack {f}" in r.output
+
+    doc["config"]["geotrain:monitoring"]["metrics_port"] = 0
+    f.write_text(yaml.safe_dump(doc))
+    assert targets(build_plan(load_stack(str(f)))) == []
+    r = CliRunner().invoke(cli, ["top", "--stack", str(f), "--once"])
+    assert r.exit_code == 1 and "monitoring.metrics_port 0" in r.output, r.output
+
+
 # -- dashboard and Grafana ---------------------------------------------------------------
 def test_dashboard_has_overview_region_link_and_health_rows() -> None:
     dash = json.loads(render_dashboard(build_plan(load_stack("global"))))
