@@ -91,8 +91,6 @@ MANIFEST = "manifest.json"
 PREFIX = "step-"
 QUARANTINE = "quarantine"
 REASON = "REASON"
-PLACEHOLDERS = ("{stack}", "{node}", "{region}")
-"""What a checkpoint dir may contain; the worker fills them in (`node_root`)."""
 ALLOW_ROLLBACK_ENV = "GEOTRAIN_ALLOW_ROLLBACK"
 """Set to 1 to resume behind a node's high-water mark (the operator's explicit choice)."""
 

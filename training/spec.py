@@ -445,6 +445,10 @@ class LaunchSpec:
         return LaunchSpec.from_json(text, str(p))
 
 
+PLACEHOLDERS = ("{stack}", "{node}", "{region}")
+"""What a checkpoint dir may contain; the worker fills them in (`node_root`)."""
+
+
 def node_root(template: str, stack: str, node: str, region: str) -> Path:
     """A node's checkpoint root: `template` with {stack}, {node} and {region} filled in.
     With {node} (or {region}) every node gets its own root, as on hosts without a shared

@@ -12,6 +12,7 @@ from infra.model.schema import StackModel
 from infra.plan.names import WORKER_HOST_OFFSET, ifname
 from training.errors import ConfigError
 from training.spec import (
+    PLACEHOLDERS,
     SCAFFOLD_STREAMING,
     adaptive_problems,
     exchange_conflict,
@@ -819,7 +820,7 @@ def _path_problem(template: str, file: bool) -> str | None:
     if file and d.endswith("/"):
         return "ends with '/': it names a directory, not a file"
     probe = d
-    for known in ("{stack}", "{node}", "{region}"):
+    for known in PLACEHOLDERS:
         probe = probe.replace(known, "x")
     parts = probe.split("/")
     if ".." in parts:
@@ -859,7 +860,7 @@ def _runtime(m: StackModel, source: str) -> None:
             "there: give a file of its own, e.g. .geotrain/{stack}/run.key",
         )
     rest = t.checkpoint.dir
-    for known in ("{stack}", "{node}", "{region}"):
+    for known in PLACEHOLDERS:
         rest = rest.replace(known, "")
     if "{" in rest or "}" in rest:
         raise _err(
