@@ -109,12 +109,13 @@ def validate(spec: LaunchSpec) -> FaultToleranceSpec:
         )
     conflict = fault_tolerance_conflict(
         secure_aggregation=spec.codec.secure_aggregation,
-        privacy=any(r.privacy for r in spec.regions),
+        privacy=[r.name for r in spec.regions if r.privacy],
         timed_merges=spec.sync == "diloco" and spec.diloco.interval_minutes is not None,
         streaming=spec.sync == "diloco" and spec.diloco.streaming,
         adaptive=spec.codec.adaptive is not None,
         balance=spec.balance == "throughput",
-        uneven=len({sum(n.nprocs for n in r.nodes) for r in spec.regions}) > 1,
+        workers={r.name: sum(n.nprocs for n in r.nodes) for r in spec.regions},
+        cuda=[r.name for r in spec.regions if any(n.device == "cuda" for n in r.nodes)],
         topology=spec.exchange == "topology",
     )
     if conflict:

@@ -498,38 +498,65 @@ def listeners(spec: LaunchSpec) -> list[dict[str, Any]]:
 def fault_tolerance_conflict(
     *,
     secure_aggregation: bool,
-    privacy: bool,
+    privacy: list[str],
     timed_merges: bool,
     streaming: bool,
     adaptive: bool,
     balance: bool,
-    uneven: bool,
+    workers: dict[str, int],
+    cuda: list[str],
     kubernetes: bool = False,
     topology: bool = False,
 ) -> str | None:
     """Why fault_tolerance cannot run with the rest of a stack or spec (None: it can); the
-    stack check (infra.model.fault_tolerance) and the spec's (training.quorum) share it."""
-    agreed = {  # rounds every region agrees at once
-        "secure_aggregation": secure_aggregation,
-        "privacy": privacy,
-        "diloco.interval_minutes": timed_merges,
-    }
-    later = {  # what the main loop runs and the quorum loop (training.ft_loop) not yet
-        "diloco.fragments/tau (streaming DiLoCo)": streaming,
-        "compression.adaptive": adaptive,
-        "balance: throughput": balance,
-        "regions of different worker counts": uneven,
-        "exchange: topology": topology,
-        "kubernetes pools (no Lighthouse or per-region restart is rendered for pods)": (kubernetes),
-    }
-    for key, on in agreed.items():
+    stack check (infra.model.fault_tolerance) and the spec's (training.quorum) share it.
+    `privacy`: the regions with differential privacy; `workers`: each region's workers;
+    `cuda`: the regions on GPUs."""
+    off = "or turn fault_tolerance off"
+    agreed = "its rounds are agreed by every region at once"
+    later = "the quorum loop does not run it"
+    cases = [
+        (secure_aggregation, "secure_aggregation", agreed, f"set it false {off}"),
+        (
+            bool(privacy),
+            f"privacy (regions {', '.join(privacy)})",
+            agreed,
+            f"remove those regions' privacy {off}",
+        ),
+        (timed_merges, "diloco.interval_minutes", agreed, f"use diloco.inner_steps {off}"),
+        (
+            streaming,
+            "diloco.fragments/tau (streaming DiLoCo)",
+            later,
+            f"set fragments 1 and tau 0 {off}",
+        ),
+        (adaptive, "compression.adaptive", later, f"remove it {off}"),
+        (balance, "balance: throughput", later, f"use balance: equal {off}"),
+        (
+            len(set(workers.values())) > 1,
+            "regions of different worker counts ("
+            + ", ".join(f"{r} {n}" for r, n in workers.items())
+            + ")",
+            later,
+            f"give every region as many workers {off}",
+        ),
+        (
+            bool(cuda),
+            f"GPU nodes (regions {', '.join(cuda)})",
+            "the quorum loop trains on CPU with gloo only",
+            f"run fault_tolerance on CPU pools {off}",
+        ),
+        (topology, "exchange: topology", later, f"use exchange: direct {off}"),
+        (
+            kubernetes,
+            "kubernetes pools",
+            "no Lighthouse or per-region restart is rendered for pods",
+            f"use host pools {off}",
+        ),
+    ]
+    for on, key, why, fix in cases:
         if on:
-            why = "its rounds are agreed by every region at once"
-            return f"cannot be combined with {key} yet ({why}); turn one of them off"
-    for key, on in later.items():
-        if on:
-            why = "the quorum loop does not run it"
-            return f"cannot be combined with {key} yet ({why}); turn one of them off"
+            return f"cannot be combined with {key} yet ({why}); {fix}"
     return None
 
 

@@ -654,6 +654,7 @@ def _monitoring(m: StackModel, source: str) -> None:
             f"{rdzv} is also monitoring.{taken[rdzv]} (on the nodes it runs on, rank 0's "
             "among them); give the rendezvous its own port, e.g. 29500",
         )
+    _quorum_ports(m, span, taken if mon.enabled else {}, source)
     if mon.bind_address != "private":
         import ipaddress
 
@@ -838,6 +839,39 @@ def _path_problem(template: str, file: bool) -> str | None:
         if path in SHARED_DIRS:
             return f"is {path} itself: others' files"
     return None
+
+
+def _quorum_ports(m: StackModel, span: range, taken: dict[int, str], source: str) -> None:
+    """fault_tolerance's Lighthouse (on its node) and region stores (store_port + i on
+    region i's first node) against the runtime metrics ports (`span` on every node; on the
+    local stack's one host, one per rank) and the monitoring services' (`taken`: on every
+    node, the exporters; empty when monitoring is off)."""
+    ft = m.training.fault_tolerance
+    if ft is None:
+        return
+    if span and all(r.pool.kind == "local" for r in m.regions):
+        world = sum(n.gpus for r in m.regions for n in r.pool.nodes)
+        span = range(span.start, span.start + world)
+    where = "training.fault_tolerance"
+    own = {"port": range(ft.port, ft.port + 1)}
+    own["store_port"] = range(ft.store_port, ft.store_port + len(m.regions))
+    for key, ports in own.items():
+        what = f"{ports.start}" if len(ports) == 1 else f"{ports.start}-{ports.stop - 1}"
+        for port in ports:
+            other = (
+                f"the runtime metrics ports {span.start}-{span.stop - 1}"
+                if port in span
+                else f"monitoring.{taken[port]}"
+                if port in taken
+                else None
+            )
+            if other is not None:
+                raise _err(
+                    source,
+                    f"{where}.{key}",
+                    f"{what} collides with {other} on the same node; move one of them "
+                    "(the defaults are 29510 for the Lighthouse, 29520 for the stores)",
+                )
 
 
 def _runtime(m: StackModel, source: str) -> None:

@@ -63,6 +63,7 @@ def _stack(tmp: Path) -> Path:
             "heartbeat_timeout_s": 2,
             "timeout_s": 5,  # the round in flight fails after this
             "quorum_timeout_s": 8,  # the cut region gives up after this: QuorumLost
+            "join_timeout_s": 6,  # below quorum_timeout_s (validate)
         },
     )
     cfg["geotrain:monitoring"]["metrics_port"] = 0

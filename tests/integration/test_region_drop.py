@@ -166,6 +166,7 @@ def test_geotrain_train_a_region_killed_is_restarted_by_its_torchrun_alone_and_h
             "heartbeat_timeout_s": 2,
             "timeout_s": 5,
             "quorum_timeout_s": 30,
+            "join_timeout_s": 20,
         },
     )
     doc = yaml.safe_load(path.read_text())

@@ -142,6 +142,74 @@ def test_settings_only_the_main_loop_runs_are_refused_with_fault_tolerance(
         load_stack(str(path))
 
 
+def _edit(path: Path, edit: Any) -> Path:
+    doc = yaml.safe_load(path.read_text())
+    edit(doc["config"])
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return path
+
+
+def test_fault_tolerance_on_gpu_nodes_is_refused_until_the_quorum_loop_runs_cuda(
+    tmp_path: Path,
+) -> None:
+    def gpus(cfg: dict[str, Any]) -> None:
+        cfg["geotrain:regions"][1]["pool"]["nodes"][0]["gpu_type"] = "A100-80GB"
+
+    path = _edit(_stack(tmp_path, lighthouse="beijing"), gpus)
+    with pytest.raises(
+        ConfigError, match=r"GPU nodes \(regions frankfurt\).*on CPU with gloo only"
+    ):
+        load_stack(str(path))
+    spec = make_spec(2, 1, fault_tolerance=FT)
+    node = replace(spec.regions[1].nodes[0], device="cuda")
+    on_gpu = replace(spec, regions=[spec.regions[0], replace(spec.regions[1], nodes=[node])])
+    with pytest.raises(SpecError, match=r"GPU nodes \(regions"):
+        validate(on_gpu)
+
+
+def test_conflicts_name_the_regions_and_the_fix(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def uneven(cfg: dict[str, Any]) -> None:
+        cfg["geotrain:regions"][2]["pool"]["nodes"][0]["gpus"] = 1
+
+    path = _edit(_stack(tmp_path, lighthouse="beijing"), uneven)
+    monkeypatch.chdir(tmp_path)  # a short source, as a user's: errors are clipped to a line
+    with pytest.raises(ConfigError) as e:
+        load_stack(path.name)
+    assert "(beijing 2, frankfurt 2, silicon-valley 1)" in str(e.value)
+    assert "give every region as many workers or turn fault_tolerance off" in str(e.value)
+
+
+def test_a_lighthouse_named_like_a_region_and_another_regions_node_is_refused(
+    tmp_path: Path,
+) -> None:
+    def rename(cfg: dict[str, Any]) -> None:
+        cfg["geotrain:regions"][0]["pool"]["nodes"][0]["name"] = "frankfurt"
+
+    path = _edit(_stack(tmp_path, lighthouse="frankfurt"), rename)
+    with pytest.raises(ConfigError, match=r"could run on frankfurt or fra-0"):
+        load_stack(str(path))
+
+
+@pytest.mark.parametrize(
+    ("ft", "key", "words"),
+    [
+        ({"heartbeat_timeout_s": 0.05}, "heartbeat_timeout_s", "beat every 0.1 s"),
+        ({"join_timeout_s": 700}, "join_timeout_s", "not below quorum_timeout_s 600"),
+        ({"port": 9100}, "port", "monitoring.node_exporter_port"),
+        ({"port": 9403}, "port", "runtime metrics ports 9400-9405"),  # local: one per rank
+        ({"store_port": 9398}, "store_port", "9398-9400 collides with the runtime metrics"),
+    ],
+)
+def test_fault_tolerance_timeouts_and_ports_that_would_fail_at_run_time_are_refused(
+    tmp_path: Path, ft: dict[str, Any], key: str, words: str
+) -> None:
+    path = _stack(tmp_path, lighthouse="beijing", **ft)
+    with pytest.raises(ConfigError, match=rf"fault_tolerance\.{key}: .*{re.escape(words)}"):
+        load_stack(str(path))
+
+
 def test_the_launcher_of_the_lighthouse_node_hosts_it_and_no_other_launcher_does() -> None:
     spec = make_spec(2, 1, fault_tolerance=replace(FT, lighthouse="127.0.0.1:0", min_replicas=1))
     other = replace(spec.regions[0].nodes[0], host="10.9.0.1")
