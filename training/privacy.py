@@ -31,6 +31,7 @@ import json
 import math
 import os
 import sys
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from training.data import Position
-from training.errors import DataError, PrivacyBudgetSpent
+from training.errors import DataError, PrivacyBudgetSpent, SpecError
 from training.spec import LaunchSpec, PrivacySpec
 from training.topology import Topology
 
@@ -60,6 +61,19 @@ Segment = tuple[float, float, int]
 
 
 # -- accounting -----------------------------------------------------------------------
+def _sigma(p: PrivacySpec, rate: float, steps: int, region: str) -> float:
+    try:
+        return calibrate(p, rate, steps)
+    except ValueError as e:  # Opacus: "The privacy budget is too low."
+        floor = epsilon_floor(p.delta, steps)
+        raise SpecError(
+            f"region {region}: no noise multiplier reaches target_epsilon "
+            f"{p.target_epsilon:g} at delta {p.delta:g} over {steps} steps ({e}; the "
+            f"accountant's floor is {floor:.3g}); raise regions[].privacy.target_epsilon "
+            "or delta"
+        ) from None
+
+
 def calibrate(p: PrivacySpec, sample_rate: float, steps: int) -> float:
     """Noise multiplier sigma: the spec's fixed one, or the smallest (to 0.01 epsilon) that
     keeps `steps` steps at `sample_rate` within target_epsilon (Opacus, RDP)."""
@@ -76,6 +90,24 @@ def calibrate(p: PrivacySpec, sample_rate: float, steps: int) -> float:
             accountant="rdp",
         )
     )
+
+
+def epsilon_floor(delta: float, steps: int) -> float:
+    """The smallest target_epsilon `calibrate` can reach at `delta` over `steps` steps:
+    epsilon at the largest noise multiplier Opacus's search tries, at sample rate 1 (any
+    smaller rate spends less). It comes from the accountant's Renyi orders and delta, not
+    from the data (about 0.14 at delta 1e-6); below it Opacus finds no noise multiplier."""
+    from opacus.accountants import RDPAccountant
+    from opacus.accountants.utils import MAX_SIGMA
+
+    sigma = 20.0
+    while 2 * sigma <= MAX_SIGMA:  # get_noise_multiplier's doublings from 20
+        sigma *= 2
+    accountant = RDPAccountant()
+    accountant.history = [(sigma, 1.0, steps)]
+    with warnings.catch_warnings():  # "optimal order is the largest alpha": it is, here
+        warnings.simplefilter("ignore", UserWarning)
+        return float(accountant.get_epsilon(delta=delta))
 
 
 @dataclass
@@ -238,7 +270,7 @@ class RegionPrivacy:
             region=region,
             region_index=topo.region_index,
             spec=p,
-            budget=Budget(p, calibrate(p, rate, spec.steps), rate),
+            budget=Budget(p, _sigma(p, rate, spec.steps, region), rate),
             loader=loader,
             batch=spec.batch_size,
             local_size=topo.local_size,

@@ -260,6 +260,20 @@ def _workers(m: StackModel, source: str) -> None:
                 "none, or split it into two regions",
             )
     privacy = [r.name for r in m.regions if r.privacy is not None]
+    for i, r in enumerate(m.regions):
+        if r.privacy is None or r.privacy.noise_multiplier is not None:
+            continue
+        from training.privacy import epsilon_floor  # torch and Opacus: only for DP stacks
+
+        floor = epsilon_floor(r.privacy.delta, m.training.steps)
+        if r.privacy.target_epsilon < floor:
+            raise _err(
+                source,
+                f"regions[{i}].privacy.target_epsilon",
+                f"{r.privacy.target_epsilon:g} is below {floor:.3g}, the least any noise "
+                f"reaches at delta {r.privacy.delta:g} (Opacus's RDP accountant); raise it, "
+                "or raise delta",
+            )
     if m.training.balance == "throughput" and privacy:
         raise _err(
             source,

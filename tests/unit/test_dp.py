@@ -25,10 +25,17 @@ from infra.render.runtime import render_launch_spec
 from policies.rules import ALL, TRAINING, config_from_policy_settings
 from policies.runner import _opts
 from training import metric_names as mn
-from training.errors import ConfigError
+from training.errors import ConfigError, SpecError
 from training.metrics import RuntimeMetrics
 from training.model import DeepSeekLM, ModelConfig
-from training.privacy import Budget, PoissonLoader, RegionPrivacy, calibrate, private_backward
+from training.privacy import (
+    Budget,
+    PoissonLoader,
+    RegionPrivacy,
+    calibrate,
+    epsilon_floor,
+    private_backward,
+)
 from training.report import EventLog, format_report, summarize
 from training.spec import LaunchSpec, PrivacySpec
 from training.testing import make_spec
@@ -219,6 +226,22 @@ def test_invalid_privacy_settings_name_the_key(write_stack: Any, value: Any, pat
     with pytest.raises(ConfigError) as e:
         load_stack(str(write_stack("local", _with_privacy(value))))
     assert f"geotrain:regions[0].{path}" in str(e.value)
+
+
+def test_a_target_epsilon_no_noise_reaches_is_refused_at_validate_and_by_the_worker(
+    write_stack: Any,
+) -> None:
+    floor = epsilon_floor(1e-6, 10)
+    assert 0.1 < floor < 0.2  # the accountant's orders and delta, not the data
+    with pytest.raises(ConfigError, match=r"privacy.target_epsilon: 0.1 is below 0.14"):
+        load_stack(str(write_stack("local", _with_privacy({"target_epsilon": 0.1}))))
+    load_stack(str(write_stack("local", _with_privacy({"target_epsilon": 0.1, "delta": 0.5}))))
+    spec = make_spec(regions=1, local=1, batch_size=4, seq_len=16, steps=10)
+    r = spec.regions[0]
+    low = type(r)(**{**r.__dict__, "privacy": PrivacySpec(0.1, 1e-6, 1.0, None)})
+    spec = LaunchSpec(**{**spec.__dict__, "regions": [low]})
+    with pytest.raises(SpecError, match=r"region .*target_epsilon 0.1 .*floor is 0.14"):
+        RegionPrivacy.for_rank(spec, Topology.of(spec, 0), bytes(4096), torch.device("cpu"))
 
 
 def test_privacy_settings_reach_the_launch_spec_and_survive_json(write_stack: Any) -> None:
