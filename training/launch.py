@@ -520,8 +520,14 @@ def run_lock(run_dir: Path, what: str) -> Iterator[None]:
     """Hold <run_dir>/launcher.lock (flock) for the block: one launcher per run directory,
     since two would share its event log and checkpoints. The kernel releases the lock when
     the process dies, however it dies. `what` names the run in the error ("stack local")."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    fd = os.open(run_dir / LOCK, os.O_RDWR | os.O_CREAT, 0o644)  # not inherited by workers
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(run_dir / LOCK, os.O_RDWR | os.O_CREAT, 0o644)  # not inherited by workers
+    except OSError as e:  # a file on the way, no permission, a read-only filesystem
+        raise GeotrainError(
+            f"cannot use {run_dir} as the run directory of {what} ({e.strerror}: "
+            f"{e.filename}); give a directory this user can write"
+        ) from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from training import launch, torchrun
-from training.errors import SpecError
+from training.errors import GeotrainError, SpecError
 from training.spec import FaultToleranceSpec
 from training.testing import make_spec
 
@@ -108,3 +108,14 @@ def test_a_node_waits_for_a_store_it_can_reach_from_its_own_address_then_names_i
         launch.reach_store(job, node)  # returns: the store accepts
     with pytest.raises(RendezvousTimeout, match=rf"node n1 cannot reach .*127.0.0.1:{port} "):
         launch.reach_store(job, node, wait_s=0.5)
+
+
+@pytest.mark.parametrize("where", ["afile", "afile/sub"])
+def test_a_run_dir_that_cannot_be_one_is_one_line_not_a_traceback(
+    tmp_path: Path, where: str
+) -> None:
+    (tmp_path / "afile").write_text("mine")
+    with pytest.raises(GeotrainError, match=r"cannot use .* as the run directory of stack x"):
+        with launch.run_lock(tmp_path / where, "stack x"):
+            pass
+    assert (tmp_path / "afile").read_text() == "mine"  # nothing of the user's touched
