@@ -115,7 +115,7 @@ def test_a_run_dir_that_cannot_be_one_is_one_line_not_a_traceback(
     tmp_path: Path, where: str
 ) -> None:
     (tmp_path / "afile").write_text("mine")
+    lock = launch.run_lock(tmp_path / where, "stack x")
     with pytest.raises(GeotrainError, match=r"cannot use .* as the run directory of stack x"):
-        with launch.run_lock(tmp_path / where, "stack x"):
-            pass
+        lock.__enter__()
     assert (tmp_path / "afile").read_text() == "mine"  # nothing of the user's touched
