@@ -62,33 +62,37 @@ def validate(stack: str) -> None:
 @friendly
 def render(stack: str, out: str) -> None:
     """Write every artifact the Pulumi program would deliver, and per host the bundle its
-    agent applies (DIR/bundles/<node>: `geotrain node apply --bundle` takes it)."""
+    agent applies (DIR/bundles/<node>: `geotrain node apply --bundle` takes it). What the
+    last render into DIR wrote and this one does not (a node dropped) is removed."""
     from infra.model import load_stack
     from infra.plan import build_plan
-    from infra.render import render_all
+    from infra.render import output, render_all
     from infra.render.bundle import render_bundle, runtime_wheel
     from infra.render.host import role_for
 
+    if not out.strip():
+        raise click.BadParameter(
+            "is empty; name the directory to write into (--out . for this one)",
+            param_hint="--out",
+        )
     plan = build_plan(load_stack(stack))
     arts = render_all(plan)
     root = Path(out)
-    bundles = 0
     try:
-        for a in arts:
-            p = root / a.path
-            p.parent.mkdir(parents=True, exist_ok=True)
-            p.write_text(a.content, encoding="utf-8")
+        bundles = {}
         for n in plan.nodes:
             role = role_for(n.kind)
             if role is not None:
-                render_bundle(plan, n, role, runtime_wheel()).write(root / "bundles" / n.name)
-                bundles += 1
+                bundles[n.name] = render_bundle(plan, n, role, runtime_wheel())
+        removed = output.write(root, plan.stack, arts, bundles)
     except OSError as e:  # a path under --out is a file, read-only, ...
         where = e.filename or root
         raise OutputError(
             f"cannot write {where}: {e.strerror or e}; give --out a directory you can write"
         ) from None
-    click.echo(f"wrote {len(arts)} artifacts and {bundles} host bundles to {root}")
+    click.echo(f"wrote {len(arts)} artifacts and {len(bundles)} host bundles to {root}")
+    if removed:
+        click.echo(f"removed {len(removed)} left from the last render: {', '.join(removed)}")
 
 
 @cli.command()

@@ -269,6 +269,45 @@ def test_render_never_deletes_a_directory_it_did_not_write(tmp_path: Path) -> No
     assert (notes / "notes" / "todo.txt").read_text() == "keep"
 
 
+def test_a_second_render_removes_what_the_first_wrote_for_a_dropped_node_and_nothing_else(
+    tmp_path: Path, write_stack: Any
+) -> None:
+    """Rendering a stack without bj-7 into the directory of one with it leaves no bj-7
+    bundle (with the old run id) to apply by mistake; the user's own files stay."""
+    runner = CliRunner()
+    out = tmp_path / "out"
+    r = runner.invoke(cli, ["render", "--stack", "global", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    assert (out / "bundles" / "bj-7").is_dir() and any((out / "nodes" / "bj-7").iterdir())
+    (out / "nodes" / "mine.txt").write_text("keep")
+    (out / "bundles" / "notes").mkdir()
+
+    def drop(c: dict[str, Any]) -> None:
+        bj = c["geotrain:regions"][0]["pool"]["nodes"]
+        c["geotrain:regions"][0]["pool"]["nodes"] = [n for n in bj if n["name"] != "bj-7"]
+
+    r = runner.invoke(
+        cli, ["render", "--stack", str(write_stack("global", drop)), "--out", str(out)]
+    )
+    assert r.exit_code == 0, r.output
+    assert "removed" in r.output and "bundles/bj-7" in r.output
+    assert not (out / "bundles" / "bj-7").exists() and not (out / "nodes" / "bj-7").exists()
+    assert (out / "bundles" / "bj-6").is_dir()
+    assert (out / "nodes" / "mine.txt").read_text() == "keep" and (
+        out / "bundles" / "notes"
+    ).is_dir()
+    record = (out / ".geotrain-render.json").read_text()
+    (out / ".geotrain-render.json").write_text(record.replace('"files": [', '"files": ["../x", '))
+    (tmp_path / "x").write_text("outside")
+    assert runner.invoke(cli, ["render", "--stack", "global", "--out", str(out)]).exit_code == 0
+    assert (tmp_path / "x").read_text() == "outside"  # a record never reaches outside --out
+
+
+def test_render_refuses_an_empty_out() -> None:
+    r = CliRunner().invoke(cli, ["render", "--stack", "local", "--out", " "])
+    assert r.exit_code == 2 and "--out" in r.output and "is empty" in r.output, r.output
+
+
 def test_links_that_leave_a_region_unreachable_are_refused(write_stack: Any) -> None:
     def cut(c: dict[str, Any]) -> None:
         c["geotrain:network"]["links"] = [
