@@ -54,8 +54,17 @@ def verify(stack: str | None, run: str | None, trust: str | None, allow_open: bo
         run_dir = Path(str(run))
     pins = None
     if trust is not None:
+        shape = f'trust file {trust}: expected {{"<region>": "<hex public key>"}}'
         try:
-            pins = {str(k): str(v) for k, v in json.loads(Path(trust).read_text()).items()}
-        except (ValueError, AttributeError):
-            raise LedgerError(f'trust file {trust}: expected {{"<region>": "<hex>"}}') from None
+            body = json.loads(Path(trust).read_text())
+        except OSError as e:
+            raise LedgerError(f"trust file {trust}: {e.strerror or e}") from None
+        except ValueError:
+            raise LedgerError(f"{shape}, not JSON") from None
+        if not isinstance(body, dict):
+            raise LedgerError(shape) from None
+        bad = [str(k) for k, v in body.items() if not isinstance(v, str)]
+        if bad:
+            raise LedgerError(f"{shape}; {', '.join(bad)} has no hex string") from None
+        pins = {str(k): v for k, v in body.items()}
     click.echo(verify_run(run_dir, pins, allow_open).summary())

@@ -80,10 +80,13 @@ def load_keys(run_dir: Path, trust: dict[str, str] | None) -> dict[str, Ed25519P
         raise LedgerError(f"ledger {r}: its {what} is missing from {d}")
     keys = {}
     for r in sorted(chains):
+        pub = d / f"{r}.pub"
         try:
-            keys[r] = public_from_hex((d / f"{r}.pub").read_text())
+            keys[r] = public_from_hex(pub.read_text())
+        except OSError as e:  # a directory, unreadable
+            raise LedgerError(f"ledger {r}: cannot read {pub} ({e.strerror or e})") from None
         except ValueError:
-            raise LedgerError(f"ledger {r}: {d / f'{r}.pub'} is not an Ed25519 key") from None
+            raise LedgerError(f"ledger {r}: {pub} is not an Ed25519 key") from None
     for r, pinned in (trust or {}).items():
         if r not in keys:
             raise LedgerError(f"ledger {r}: pinned in the trust file, but the run has no chain")

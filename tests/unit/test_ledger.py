@@ -195,6 +195,34 @@ def test_a_trust_file_pins_each_regions_key(run: Path) -> None:
     _rejected(run, "ledger frankfurt", "not the pinned one", trust=pinned)
 
 
+def test_an_unreadable_key_or_a_trust_file_of_the_wrong_shape_is_one_line(
+    run: Path, tmp_path: Path
+) -> None:
+    from click.testing import CliRunner
+
+    from geotrain.cli import cli
+
+    trust = tmp_path / "trust.json"
+    for body, words in [
+        ('{"beijing": null}', "beijing has no hex string"),
+        ('["beijing"]', 'expected {"<region>"'),
+        ("{not json", "not JSON"),
+    ]:
+        trust.write_text(body)
+        r = CliRunner().invoke(cli, ["ledger", "verify", "--run", str(run), "--trust", str(trust)])
+        assert (
+            r.exit_code != 0
+            and words in r.output
+            and r.exception is None
+            or isinstance(r.exception, SystemExit)
+        ), (body, r.output)
+        assert words in r.output, (body, r.output)
+    pub = L.pub_path(run, "beijing")
+    pub.unlink()
+    pub.mkdir()
+    _rejected(run, "ledger beijing: cannot read", "Is a directory")
+
+
 def test_a_deleted_chain_is_caught_by_the_other_regions_start_entries(run: Path) -> None:
     L.chain_path(run, "silicon-valley").unlink()
     L.pub_path(run, "silicon-valley").unlink()
