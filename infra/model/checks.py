@@ -1344,6 +1344,22 @@ def idle_settings(m: StackModel) -> list[str]:
                     f"hint: regions[{i}].pool.{key} is set but pools of kind {r.pool.kind} "
                     "do not use it"
                 )
+    H = d.inner_steps if d.inner_steps is not None else 100  # schema: neither means 100
+    inner = t.steps - d.warmup_steps
+    if t.sync == "diloco" and d.interval_minutes is None and H >= inner:
+        out.append(
+            f"hint: training.diloco.inner_steps {H} is not below the {inner} steps after the "
+            "warm-up: the regions merge once, at the end, and train apart until then; set "
+            f"inner_steps to {max(1, inner // 10)} or so for ten merges"
+        )
+    ft = t.fault_tolerance
+    if ft is not None and ft.replicas(len(m.regions)) == len(m.regions):
+        R = len(m.regions)
+        out.append(
+            f"hint: training.fault_tolerance needs all {R} regions in a quorum (min_replicas "
+            f"{R}): losing any region stops the others too, until it is back; with 3 or more "
+            "regions a majority trains on (below a majority, regions cut apart train apart)"
+        )
     if t.checkpoint.interval_steps >= t.steps:
         out.append(
             f"hint: training.checkpoint.interval_steps {t.checkpoint.interval_steps} is not "

@@ -132,6 +132,15 @@ def test_booleans_stay_fine_where_booleans_go(write_stack: Any) -> None:
         ({"sync": "diloco", "diloco": {"inner_steps": 10, "mix": 0.5}}, "mix 0.5 has no effect"),
         ({"sync": "allreduce", "diloco": {"inner_steps": 10}}, "does not use it"),
         ({"steps": 20, "checkpoint": {"interval_steps": 20}}, "saves no checkpoint"),
+        ({"sync": "diloco", "steps": 40}, "inner_steps 100 is not below the 40 steps"),
+        (
+            {"sync": "diloco", "steps": 40, "diloco": {"inner_steps": 30, "warmup_steps": 10}},
+            "merge once, at the end",
+        ),
+        (
+            {"fault_tolerance": {"lighthouse": "beijing", "min_replicas": 3}},
+            "losing any region stops the others",
+        ),
     ],
 )
 def test_validate_names_settings_the_run_will_not_use(
