@@ -1344,11 +1344,11 @@ def idle_settings(m: StackModel) -> list[str]:
                     f"hint: regions[{i}].pool.{key} is set but pools of kind {r.pool.kind} "
                     "do not use it"
                 )
-    H = d.inner_steps if d.inner_steps is not None else 100  # schema: neither means 100
+    every = d.inner_steps if d.inner_steps is not None else 100  # schema: neither means 100
     inner = t.steps - d.warmup_steps
-    if t.sync == "diloco" and d.interval_minutes is None and H >= inner:
+    if t.sync == "diloco" and d.interval_minutes is None and every >= inner:
         out.append(
-            f"hint: training.diloco.inner_steps {H} is not below the {inner} steps after the "
+            f"hint: training.diloco.inner_steps {every} is not below the {inner} steps after the "
             "warm-up: the regions merge once, at the end, and train apart until then; set "
             f"inner_steps to {max(1, inner // 10)} or so for ten merges"
         )
