@@ -168,6 +168,12 @@ def inputs_from_plan(plan: Plan, mfu: float, tokens: float | None = None) -> Inp
     per_step = gpus * t.batch_size * t.seq_len
     links = [link.bandwidth_mbps / 1000 for link in plan.network.links] or [float("inf")]
     n = active_parameters(preset(t.model))
+    if tokens is not None and tokens < per_step:
+        raise PlanInputError(
+            f"--tokens {tokens:g} is less than one step of stack {plan.stack} ({per_step:,} "
+            f"tokens: {gpus} workers x batch {t.batch_size} x seq_len {t.seq_len}); give the "
+            "whole run's tokens, e.g. 1e12, or leave it out for steps x tokens per step"
+        )
     h = t.diloco.every_steps
     if h is None:  # a merge every T minutes: H is T over the step's compute time
         step_s = 6 * n * per_step / (gpus * peak * mfu)

@@ -120,6 +120,7 @@ def test_the_global_stack_plans_its_time_based_merges_as_h_steps() -> None:
         (["--stack", "global", "--tokens", "-5"], "tokens must be a positive number"),
         (["--stack", "global", "--mfu", "1e-310"], "outside what this estimate can count"),
         (["--stack", "global", "--tokens", "1e305"], "outside what this estimate can count"),
+        (["--stack", "global", "--tokens", "1"], "less than one step of stack global"),
     ],
 )
 def test_broken_planner_inputs_are_one_line_exit_2(args: list[str], words: str) -> None:
