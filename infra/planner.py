@@ -168,7 +168,7 @@ def inputs_from_plan(plan: Plan, mfu: float, tokens: float | None = None) -> Inp
     per_step = gpus * t.batch_size * t.seq_len
     links = [link.bandwidth_mbps / 1000 for link in plan.network.links] or [float("inf")]
     n = active_parameters(preset(t.model))
-    if tokens is not None and tokens < per_step:
+    if tokens is not None and 0 < tokens < per_step:  # not positive: estimate() says so
         raise PlanInputError(
             f"--tokens {tokens:g} is less than one step of stack {plan.stack} ({per_step:,} "
             f"tokens: {gpus} workers x batch {t.batch_size} x seq_len {t.seq_len}); give the "
