@@ -96,10 +96,15 @@ def validate(spec: LaunchSpec) -> FaultToleranceSpec:
             f"regions); use {R // 2 + 1} (a majority)"
         )
     host, _, port = ft.lighthouse.rpartition(":")
-    if not host or not port.isdigit():
+    if not host or not port.isdigit() or not 0 <= int(port) <= 65535:
         raise SpecError(
-            f"fault_tolerance.lighthouse '{ft.lighthouse}' is not host:port; the stack "
-            "renders it from geotrain:training.fault_tolerance.lighthouse"
+            f"fault_tolerance.lighthouse '{ft.lighthouse}' is not host:port (port 0-65535); "
+            "the stack renders it from geotrain:training.fault_tolerance.lighthouse"
+        )
+    if ft.store_port + R - 1 > 65535:
+        raise SpecError(
+            f"fault_tolerance.store_port {ft.store_port} + {R - 1} (one per region) passes "
+            "65535; use a lower store_port, e.g. 29520"
         )
     if ft.quorum_timeout_s <= ft.heartbeat_timeout_s:
         raise SpecError(

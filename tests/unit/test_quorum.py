@@ -49,6 +49,10 @@ def test_a_spec_with_a_setting_only_the_main_loop_runs_is_refused() -> None:
 def test_a_lighthouse_without_a_port_and_secure_aggregation_are_refused() -> None:
     with pytest.raises(SpecError, match="not host:port"):
         validate(make_spec(3, 1, fault_tolerance=replace(FT, lighthouse="vm")))
+    with pytest.raises(SpecError, match="not host:port"):
+        validate(make_spec(3, 1, fault_tolerance=replace(FT, lighthouse="10.0.0.1:99999")))
+    with pytest.raises(SpecError, match="passes 65535"):
+        validate(make_spec(3, 1, fault_tolerance=replace(FT, store_port=65535)))
     with pytest.raises(SpecError, match="secure_aggregation"):
         validate(make_spec(3, 1, fault_tolerance=FT, codec=CodecSpec(secure_aggregation=True)))
 
