@@ -35,6 +35,7 @@ def local_run_dir(model: StackModel) -> Path:
 def prepare_local_run(model: StackModel, fresh: bool) -> tuple[LaunchSpec, Path, Path]:
     """Render the spec of a single-machine stack into its run dir with a key. The caller
     holds the run dir's lock (this rewrites the spec and the event log)."""
+    from infra.model.checks import SINGLE_MACHINE_KINDS
     from infra.plan import build_plan
     from infra.render import render_launch_spec
     from training.checkpoint import remove_checkpoints
@@ -43,7 +44,7 @@ def prepare_local_run(model: StackModel, fresh: bool) -> tuple[LaunchSpec, Path,
 
     plan = build_plan(model)
     kinds = {r.kind for r in plan.regions}
-    if not kinds <= {"local", "lab"}:
+    if not kinds <= set(SINGLE_MACHINE_KINDS):
         raise SpecError(
             f"stack {model.stack} runs on {sorted(kinds)} pools; `geotrain train` "
             "runs single-machine stacks (local, lab). For ssh/kubernetes use "
@@ -280,14 +281,16 @@ def top(stack: str, once: bool, interval: float) -> None:
 
     from geotrain.monitoring import format_top, scrape
     from infra.model import load_stack
+    from infra.model.checks import SINGLE_MACHINE_KINDS
     from infra.plan import build_plan
 
     if interval != interval:  # NaN passes FloatRange's comparisons
         raise click.BadParameter("nan is not a number of seconds", param_hint="--interval")
     plan = build_plan(load_stack(stack))
+    single_machine = all(r.kind in SINGLE_MACHINE_KINDS for r in plan.regions)  # train's
     while True:
         views = scrape(plan)
-        text = format_top(views, stack)
+        text = format_top(views, stack, single_machine)
         if once:
             click.echo(text)
             if not any(v.up for v in views.values()):

@@ -175,7 +175,7 @@ def _fold_quorum(v: RegionView, text: str) -> None:
                 v.excluded.add(s.labels["excluded_region"])
 
 
-def format_top(views: dict[str, RegionView], stack: str = "<stack>") -> str:
+def format_top(views: dict[str, RegionView], stack: str = "<stack>", local: bool = True) -> str:
     ft = any(v.quorum is not None for v in views.values())
     rows = [
         f"{'region':<16}{'up':>6}{'step':>8}{'loss':>9}{'tok/s':>10}{'sync s':>9}{'ckpt age':>10}"
@@ -197,11 +197,11 @@ def format_top(views: dict[str, RegionView], stack: str = "<stack>") -> str:
     if out:
         rows.append(f"left out of the training quorum: {', '.join(sorted(out))}")
     if not any(v.up for v in views.values()):
-        rows.append(silent(views, stack))
+        rows.append(silent(views, stack, local))
     return "\n".join(rows)
 
 
-def silent(views: dict[str, RegionView], stack: str) -> str:
+def silent(views: dict[str, RegionView], stack: str, local: bool) -> str:
     """What `geotrain top` says when no metrics endpoint answered."""
     if not any(v.targets for v in views.values()):
         return (
@@ -209,9 +209,14 @@ def silent(views: dict[str, RegionView], stack: str) -> str:
             "(set a port, for example 9400, to watch a run)"
         )
     n = sum(v.targets for v in views.values())
+    start = (
+        f"start one with `geotrain train --stack {stack}`"
+        if local
+        else "its hosts start it once `pulumi up` has delivered the stack"
+    )
     return (
         f"none of the {n} metrics endpoints answered: no run of this stack is training now "
-        f"(start one with `geotrain train --stack {stack}`), or they are not reachable from here"
+        f"({start}), or they are not reachable from here"
     )
 
 

@@ -69,7 +69,8 @@ def _sigma(p: PrivacySpec, rate: float, steps: int, region: str) -> float:
         raise SpecError(
             f"region {region}: no noise multiplier reaches target_epsilon "
             f"{p.target_epsilon:g} at delta {p.delta:g} over {steps} steps ({e}; the "
-            f"accountant's floor is {floor:.3g}); raise regions[].privacy.target_epsilon "
+            f"accountant's floor is {math.ceil(floor * 1000) / 1000:g}); raise "
+            "regions[].privacy.target_epsilon "
             "or delta"
         ) from None
 

@@ -96,7 +96,7 @@ def validate(spec: LaunchSpec) -> FaultToleranceSpec:
             f"regions); use {R // 2 + 1} (a majority)"
         )
     host, _, port = ft.lighthouse.rpartition(":")
-    if not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+    if not host or not port.isdigit() or not 0 <= int(port) <= 65535:  # 0: tests bind any
         raise SpecError(
             f"fault_tolerance.lighthouse '{ft.lighthouse}' is not host:port (port 0-65535); "
             "the stack renders it from geotrain:training.fault_tolerance.lighthouse"

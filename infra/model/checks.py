@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 import re
 from typing import Any
 
@@ -267,10 +268,11 @@ def _workers(m: StackModel, source: str) -> None:
 
         floor = epsilon_floor(r.privacy.delta, m.training.steps)
         if r.privacy.target_epsilon < floor:
+            least = math.ceil(floor * 1000) / 1000  # printed rounded up: it then works
             raise _err(
                 source,
                 f"regions[{i}].privacy.target_epsilon",
-                f"{r.privacy.target_epsilon:g} is below {floor:.3g}, the least any noise "
+                f"{r.privacy.target_epsilon:g} is below {least:g}, the least any noise "
                 f"reaches at delta {r.privacy.delta:g} (Opacus's RDP accountant); raise it, "
                 "or raise delta",
             )
@@ -668,7 +670,7 @@ def _monitoring(m: StackModel, source: str) -> None:
             f"{rdzv} is also monitoring.{taken[rdzv]} (on the nodes it runs on, rank 0's "
             "among them); give the rendezvous its own port, e.g. 29500",
         )
-    _quorum_ports(m, span, taken if mon.enabled else {}, source)
+    _quorum_ports(m, span, source)
     if mon.bind_address != "private":
         import ipaddress
 
@@ -855,37 +857,55 @@ def _path_problem(template: str, file: bool) -> str | None:
     return None
 
 
-def _quorum_ports(m: StackModel, span: range, taken: dict[int, str], source: str) -> None:
+def _quorum_ports(m: StackModel, span: range, source: str) -> None:
     """fault_tolerance's Lighthouse (on its node) and region stores (store_port + i on
-    region i's first node) against the runtime metrics ports (`span` on every node; on the
-    local stack's one host, one per rank) and the monitoring services' (`taken`: on every
-    node, the exporters; empty when monitoring is off)."""
-    ft = m.training.fault_tolerance
+    region i's first node) against what else listens on that node: the runtime metrics
+    ports (`span` on every node; on the local stack's one host, one per rank), and with
+    monitoring on, Prometheus, Alertmanager and Grafana on the monitoring host and the
+    node exporter on ssh and cloud nodes (local and lab run no exporters; dcgm-exporter
+    runs on GPU nodes, which fault tolerance refuses)."""
+    from infra.model.clouds import CLOUD_KINDS
+
+    ft, mon = m.training.fault_tolerance, m.monitoring
     if ft is None:
+        return
+    try:
+        li, lj = fault_tolerance.lighthouse_node(m)
+    except KeyError:  # fault_tolerance.check names it
         return
     if span and all(r.pool.kind == "local" for r in m.regions):
         world = sum(n.gpus for r in m.regions for n in r.pool.nodes)
         span = range(span.start, span.start + world)
+    first = m.regions[0]
+    mon_host = mon.host or first.pool.gateway or first.pool.nodes[0].name
     where = "training.fault_tolerance"
-    own = {"port": range(ft.port, ft.port + 1)}
-    own["store_port"] = range(ft.store_port, ft.store_port + len(m.regions))
-    for key, ports in own.items():
-        what = f"{ports.start}" if len(ports) == 1 else f"{ports.start}-{ports.stop - 1}"
-        for port in ports:
-            other = (
-                f"the runtime metrics ports {span.start}-{span.stop - 1}"
-                if port in span
-                else f"monitoring.{taken[port]}"
-                if port in taken
-                else None
+    on_nodes = [("port", ft.port, m.regions[li], m.regions[li].pool.nodes[lj].name)]
+    on_nodes += [
+        ("store_port", ft.store_port + i, r, r.pool.nodes[0].name) for i, r in enumerate(m.regions)
+    ]
+    for key, port, region, node in on_nodes:
+        services: dict[int, str] = {}
+        if mon.enabled and node == mon_host:
+            services[mon.prometheus_port] = "prometheus_port"
+            services[mon.alertmanager_port] = "alertmanager_port"
+            if mon.grafana:
+                services[mon.grafana_port] = "grafana_port"
+        if mon.enabled and (region.pool.kind == "ssh" or region.pool.kind in CLOUD_KINDS):
+            services[mon.node_exporter_port] = "node_exporter_port"
+        other = (
+            f"the runtime metrics ports {span.start}-{span.stop - 1}"
+            if port in span
+            else f"monitoring.{services[port]}"
+            if port in services
+            else None
+        )
+        if other is not None:
+            raise _err(
+                source,
+                f"{where}.{key}",
+                f"{port} on {node} collides with {other} there; move one of them "
+                "(the defaults are 29510 for the Lighthouse, 29520 for the stores)",
             )
-            if other is not None:
-                raise _err(
-                    source,
-                    f"{where}.{key}",
-                    f"{what} collides with {other} on the same node; move one of them "
-                    "(the defaults are 29510 for the Lighthouse, 29520 for the stores)",
-                )
 
 
 def _runtime(m: StackModel, source: str) -> None:
@@ -1344,13 +1364,15 @@ def idle_settings(m: StackModel) -> list[str]:
                     f"hint: regions[{i}].pool.{key} is set but pools of kind {r.pool.kind} "
                     "do not use it"
                 )
-    every = d.inner_steps if d.inner_steps is not None else 100  # schema: neither means 100
+    every = d.every_steps
+    first = d.inner_steps_start or every  # the first round (a ramp starts shorter)
     inner = t.steps - d.warmup_steps
-    if t.sync == "diloco" and d.interval_minutes is None and every >= inner:
+    if t.sync == "diloco" and first is not None and first >= inner:
+        key = "inner_steps_start" if d.inner_steps_start else "inner_steps"
         out.append(
-            f"hint: training.diloco.inner_steps {every} is not below the {inner} steps after the "
+            f"hint: training.diloco.{key} {first} is not below the {inner} steps after the "
             "warm-up: the regions merge once, at the end, and train apart until then; set "
-            f"inner_steps to {max(1, inner // 10)} or so for ten merges"
+            f"it to {max(1, inner // 10)} or so for ten merges"
         )
     ft = t.fault_tolerance
     if ft is not None and ft.replicas(len(m.regions)) == len(m.regions):

@@ -9,25 +9,40 @@ directory is removed only while it holds a bundle's manifest."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from collections.abc import Iterable
 from pathlib import Path
+from typing import TypeGuard
 
 from geotrain.agent.hostspec import MANIFEST_FILE
+from infra.model.schema import NAME_PATTERN
 from infra.render.artifacts import Artifact
 from infra.render.bundle import Bundle
 
 RECORD = ".geotrain-render.json"
+NODE_NAME = re.compile(NAME_PATTERN)
+"""What a bundle directory may be named: a node name (no '/', no '..')."""
 BUNDLES = "bundles"
 
 
 def previous(root: Path) -> tuple[set[str], set[str]]:
-    """(files, bundles) the last render into `root` recorded; empty sets without one."""
+    """(files, bundles) the last render into `root` recorded; empty sets without one, or
+    with one of another shape (hand-edited, cut short): then nothing is removed."""
     try:
         body = json.loads((root / RECORD).read_text(encoding="utf-8"))
-        return set(map(str, body["files"])), set(map(str, body["bundles"]))
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError):
         return set(), set()
+    if not isinstance(body, dict):
+        return set(), set()
+    files, bundles = body.get("files"), body.get("bundles")
+    if not (_strings(files) and _strings(bundles)):
+        return set(), set()
+    return set(files), {b for b in bundles if NODE_NAME.fullmatch(b)}
+
+
+def _strings(x: object) -> TypeGuard[list[str]]:
+    return isinstance(x, list) and all(isinstance(v, str) for v in x)
 
 
 def write(
@@ -53,7 +68,12 @@ def write(
             _prune(root, p.parent)
     for name in sorted(old_bundles - set(bundles)):
         d = root / BUNDLES / name
-        if d.is_dir() and not d.is_symlink() and (d / MANIFEST_FILE).is_file():
+        if (
+            d.is_dir()
+            and not d.is_symlink()
+            and d.parent.resolve() == (root / BUNDLES).resolve()
+            and (d / MANIFEST_FILE).is_file()
+        ):
             shutil.rmtree(d)
             removed.append(f"{BUNDLES}/{name}")
     record = {"stack": stack, "files": sorted(files), "bundles": sorted(bundles)}

@@ -138,6 +138,14 @@ def test_booleans_stay_fine_where_booleans_go(write_stack: Any) -> None:
             "merge once, at the end",
         ),
         (
+            {
+                "sync": "diloco",
+                "steps": 40,
+                "diloco": {"inner_steps": 100, "inner_steps_start": 50},
+            },
+            "inner_steps_start 50 is not below the 40 steps",
+        ),
+        (
             {"fault_tolerance": {"lighthouse": "beijing", "min_replicas": 3}},
             "losing any region stops the others",
         ),
@@ -149,6 +157,13 @@ def test_validate_names_settings_the_run_will_not_use(
     f = write_stack("local", lambda c: c["geotrain:training"].update(training))
     r = CliRunner().invoke(cli, ["validate", "--stack", str(f)])
     assert r.exit_code == 0 and "hint: training." in r.output and words in r.output, r.output
+
+
+def test_a_ramp_that_merges_before_the_end_gets_no_one_merge_hint(write_stack: Any) -> None:
+    d = {"inner_steps": 100, "inner_steps_start": 5}  # rounds of 5, 10, 20: 3 merges in 40
+    f = write_stack("local", _upd("training", sync="diloco", steps=40, diloco=d))
+    r = CliRunner().invoke(cli, ["validate", "--stack", str(f)])
+    assert r.exit_code == 0 and "merge once" not in r.output, r.output
 
 
 def test_validate_gives_no_idle_setting_hints_for_the_shipped_stacks() -> None:
@@ -310,6 +325,20 @@ def test_a_second_render_removes_what_the_first_wrote_for_a_dropped_node_and_not
     (tmp_path / "x").write_text("outside")
     assert runner.invoke(cli, ["render", "--stack", "global", "--out", str(out)]).exit_code == 0
     assert (tmp_path / "x").read_text() == "outside"  # a record never reaches outside --out
+    (tmp_path / "manifest.json").write_text("{}")  # what a bundle dir holds, one level up
+    (out / "bundles" / "bj-9").mkdir()
+    (out / "bundles" / "bj-9" / "manifest.json").write_text("{}")
+    for record in (
+        '{"files": [], "bundles": ["../..", "..", "bj-9/../.."]}',
+        '{"files": "ab", "bundles": []}',
+        '["files"]',
+    ):
+        (out / ".geotrain-render.json").write_text(record)
+        (out / "a").write_text("mine")
+        r = runner.invoke(cli, ["render", "--stack", "global", "--out", str(out)])
+        assert r.exit_code == 0 and "removed" not in r.output, (record, r.output)
+        assert (out / "a").read_text() == "mine" and (tmp_path / "manifest.json").exists()
+        assert (out / "bundles" / "bj-9" / "manifest.json").exists()  # not in a valid record
 
 
 def test_render_refuses_an_empty_out() -> None:

@@ -233,14 +233,15 @@ def test_a_target_epsilon_no_noise_reaches_is_refused_at_validate_and_by_the_wor
 ) -> None:
     floor = epsilon_floor(1e-6, 10)
     assert 0.1 < floor < 0.2  # the accountant's orders and delta, not the data
-    with pytest.raises(ConfigError, match=r"privacy.target_epsilon: 0.1 is below 0.14"):
+    with pytest.raises(ConfigError, match=r"privacy.target_epsilon: 0.1 is below 0.141,"):
         load_stack(str(write_stack("local", _with_privacy({"target_epsilon": 0.1}))))
     load_stack(str(write_stack("local", _with_privacy({"target_epsilon": 0.1, "delta": 0.5}))))
+    load_stack(str(write_stack("local", _with_privacy({"target_epsilon": 0.141}))))  # as named
     spec = make_spec(regions=1, local=1, batch_size=4, seq_len=16, steps=10)
     r = spec.regions[0]
     low = type(r)(**{**r.__dict__, "privacy": PrivacySpec(0.1, 1e-6, 1.0, None)})
     spec = LaunchSpec(**{**spec.__dict__, "regions": [low]})
-    with pytest.raises(SpecError, match=r"region .*target_epsilon 0.1 .*floor is 0.14"):
+    with pytest.raises(SpecError, match=r"region .*target_epsilon 0.1 .*floor is 0.141\)"):
         RegionPrivacy.for_rank(spec, Topology.of(spec, 0), bytes(4096), torch.device("cpu"))
 
 

@@ -347,6 +347,9 @@ def test_top_shows_no_numbers_where_no_endpoint_answered_and_says_why(tmp_path: 
     assert "none of the 6 metrics endpoints answered" in r.output
     assert f"geotrain train --stack {f}" in r.output
 
+    hosts = format_top({"beijing": RegionView(targets=8)}, "global", local=False)
+    assert "once `pulumi up` has delivered" in hosts and "geotrain train" not in hosts
+
     doc["config"]["geotrain:monitoring"]["metrics_port"] = 0
     f.write_text(yaml.safe_dump(doc))
     assert targets(build_plan(load_stack(str(f)))) == []

@@ -201,9 +201,8 @@ def test_a_lighthouse_named_like_a_region_and_another_regions_node_is_refused(
     [
         ({"heartbeat_timeout_s": 0.05}, "heartbeat_timeout_s", "beat every 0.1 s"),
         ({"join_timeout_s": 700}, "join_timeout_s", "not below quorum_timeout_s 600"),
-        ({"port": 9100}, "port", "monitoring.node_exporter_port"),
         ({"port": 9403}, "port", "runtime metrics ports 9400-9405"),  # local: one per rank
-        ({"store_port": 9398}, "store_port", "9398-9400 collides with the runtime metrics"),
+        ({"store_port": 9398}, "store_port", "9400 on sv-0 collides with the runtime metrics"),
     ],
 )
 def test_fault_tolerance_timeouts_and_ports_that_would_fail_at_run_time_are_refused(
@@ -212,6 +211,22 @@ def test_fault_tolerance_timeouts_and_ports_that_would_fail_at_run_time_are_refu
     path = _stack(tmp_path, lighthouse="beijing", **ft)
     with pytest.raises(ConfigError, match=rf"fault_tolerance\.{key}: .*{re.escape(words)}"):
         load_stack(str(path))
+
+
+def test_lighthouse_ports_collide_only_with_what_runs_on_its_node(tmp_path: Path) -> None:
+    """The lab's Prometheus runs on fra-gw only, and lab nodes run no node exporter."""
+
+    def lab(**ft: Any) -> Path:
+        doc = yaml.safe_load((STACKS / "Pulumi.lab.yaml").read_text())
+        doc["config"]["geotrain:training"]["fault_tolerance"] = ft
+        path = tmp_path / "Pulumi.ftlab.yaml"
+        path.write_text(yaml.safe_dump(doc, sort_keys=False))
+        return path
+
+    with pytest.raises(ConfigError, match=r"port: 9090 on fra-gw collides with .*prometheus"):
+        load_stack(str(lab(lighthouse="frankfurt", port=9090)))
+    load_stack(str(lab(lighthouse="beijing", port=9090)))  # bj-gw: no Prometheus there
+    load_stack(str(lab(lighthouse="beijing", port=9100)))  # lab nodes: no node exporter
 
 
 def test_the_launcher_of_the_lighthouse_node_hosts_it_and_no_other_launcher_does() -> None:
