@@ -138,6 +138,7 @@ def test_a_region_cut_off_is_left_out_restarts_alone_and_heals_bitwise_equal(
         _wait("beijing restarted", run, proc, lambda: len(of(events(run), "start", CUT)) == 2)
         for pid in stopped:
             os.kill(pid, signal.SIGCONT)
+        t_woke = time.time()
         stopped = []
         out, _ = proc.communicate(timeout=150)
     finally:
@@ -148,7 +149,7 @@ def test_a_region_cut_off_is_left_out_restarts_alone_and_heals_bitwise_equal(
             proc.wait()
     assert proc.returncode == 0, out[-3000:]
     log = events(run)
-    healed = trained_on_and_healed(log, CUT, OTHERS, STEPS, held=t_held)
+    healed = trained_on_and_healed(log, CUT, OTHERS, STEPS, held=(t_held, t_woke))
     after_cut = [e for e in of(log, "step", OTHERS[0]) if e["t"] > t_cut]
     print(f"stall after the cut {after_cut[0]['t'] - t_cut:.1f} s")
     left_out = [e for e in of(log, "quorum", OTHERS[0]) if e["t"] > t_cut]

@@ -218,6 +218,7 @@ def test_geotrain_train_a_region_killed_is_restarted_by_its_torchrun_alone_and_h
         wait("beijing restarted", lambda: len(of(events(run), "start", KILLED)) == 2)
         for pid in stopped:
             os.kill(pid, signal.SIGCONT)
+        t_woke = time.time()
         stopped = []
         out, _ = proc.communicate(timeout=150)
     finally:
@@ -228,5 +229,5 @@ def test_geotrain_train_a_region_killed_is_restarted_by_its_torchrun_alone_and_h
             proc.wait()
     assert proc.returncode == 0, out[-3000:]
     log = events(run)
-    trained_on_and_healed(log, KILLED, SURVIVORS, LOCAL_STEPS, held=t_held)
+    trained_on_and_healed(log, KILLED, SURVIVORS, LOCAL_STEPS, held=(t_held, t_woke))
     assert "restarting region beijing alone" in out  # the launcher reported it

@@ -9,18 +9,23 @@ import pytest
 
 from tests.integration.helpers import trained_on_and_healed
 
-BACK, OTHERS, STEPS, HELD = "bj", ("fra", "sv"), 6, 100.0
+BACK, OTHERS, STEPS, HELD = "bj", ("fra", "sv"), 6, (90.0, 100.0)
 
 
-def _log(sv_steps: list[tuple[float, int]], sv_heals: list[tuple[float, int]]) -> list[Any]:
+Steps = list[tuple[float, int]]
+ALL: Steps = [(float(s), s) for s in range(1, 7)]
+
+
+def _log(sv_steps: Steps, sv_heals: Steps, fra: Steps = ALL, fra_heals: Steps = ()) -> list[Any]:
     log: list[dict[str, Any]] = [
         {"event": "start", "region": r, "t": 0.0, "torchrun_restart": 0} for r in (BACK, *OTHERS)
     ]
-    log += [{"event": "step", "region": "fra", "t": float(s), "step": s} for s in range(1, 7)]
-    log += [{"event": "step", "region": "sv", "t": t, "step": s} for t, s in sv_steps]
-    log += [
-        {"event": "healed", "region": "sv", "t": t, "step": s, "phase": "step"} for t, s in sv_heals
-    ]
+    for region, steps, heals in (("fra", fra, fra_heals), ("sv", sv_steps, sv_heals)):
+        log += [{"event": "step", "region": region, "t": t, "step": s} for t, s in steps]
+        log += [
+            {"event": "healed", "region": region, "t": t, "step": s, "phase": "step"}
+            for t, s in heals
+        ]
     log += [
         {"event": "start", "region": BACK, "t": 101.0, "torchrun_restart": 1},
         {"event": "healed", "region": BACK, "t": 102.0, "step": 4, "phase": "step"},
@@ -60,3 +65,16 @@ def test_what_fault_tolerance_never_does_fails(
 ) -> None:
     with pytest.raises(AssertionError):
         trained_on_and_healed(_log(steps, heals), BACK, OTHERS, STEPS, held=HELD)
+
+
+def test_churn_a_late_heal_or_both_survivors_skipping_fails() -> None:
+    churn = [(1.0, 1), (2.0, 2), (103.0, 4), (110.0, 6)]  # left out and healing every round
+    late = [(1.0, 1), (2.0, 2), (3.0, 3), (503.0, 5), (504.0, 6)]  # a heal long after waking
+    both = [(1.0, 1), (2.0, 2), (3.0, 3), (103.0, 5), (104.0, 6)]
+    for log in (
+        _log(churn, [(102.5, 3), (109.0, 5)]),
+        _log(late, [(502.0, 4)]),
+        _log(both, [(102.5, 4)], fra=both, fra_heals=[(102.5, 4)]),
+    ):
+        with pytest.raises(AssertionError):
+            trained_on_and_healed(log, BACK, OTHERS, STEPS, held=HELD)
