@@ -65,7 +65,8 @@ def prepare_local_run(model: StackModel, fresh: bool) -> tuple[LaunchSpec, Path,
         # checkpointers' files go, whatever else the root holds stays
         for r in spec.regions:
             for n in r.nodes:
-                remove_checkpoints(node_root(spec.checkpoint.dir, spec.stack, n.name, r.name))
+                root = node_root(spec.checkpoint.dir, spec.stack, n.name, r.name)
+                remove_checkpoints(root, spec.stack)
     run_dir.mkdir(parents=True, exist_ok=True)
     # the rendezvous port is chosen now: a fixed port may be taken on a shared machine
     spec = dataclasses.replace(spec, master_port=free_port())

@@ -60,6 +60,7 @@ import json
 import os
 import pickle
 import shutil
+import socket
 import threading
 import time
 from collections.abc import Callable, Generator
@@ -91,6 +92,8 @@ MANIFEST = "manifest.json"
 PREFIX = "step-"
 QUARANTINE = "quarantine"
 REASON = "REASON"
+OWNER = "STACK"
+"""<root>/STACK names the stack whose checkpoints the root holds (`claim`)."""
 ALLOW_ROLLBACK_ENV = "GEOTRAIN_ALLOW_ROLLBACK"
 """Set to 1 to resume behind a node's high-water mark (the operator's explicit choice)."""
 
@@ -101,21 +104,51 @@ def step_of(path: Path) -> int:
     return int(name[len(PREFIX) :])
 
 
-def remove_checkpoints(root: Path) -> list[Path]:
+def claim(root: Path, stack: str) -> None:
+    """Mark `root` as `stack`'s (<root>/STACK), or refuse a root another stack marked: two
+    stacks sharing a root would quarantine, prune and (`--fresh`) delete each other's
+    steps. Runs of one stack share it by design (a new run sets the old one's aside)."""
+    f = root / OWNER
+    try:
+        owner = f.read_text(encoding="utf-8").strip()
+    except FileNotFoundError:  # nodes sharing the root may race here: a temp file each
+        tmp = root / f".{OWNER}.{socket.gethostname()}.{os.getpid()}.tmp"
+        tmp.write_text(stack + "\n", encoding="utf-8")
+        os.replace(tmp, f)
+        return
+    except (OSError, UnicodeDecodeError) as e:
+        raise CheckpointError(
+            f"cannot read {f} ({e}); remove it if {root} is this stack's"
+        ) from None
+    if owner != stack:
+        raise CheckpointError(
+            f"checkpoint dir {root} holds stack {owner}'s checkpoints ({f}); give each stack "
+            "its own (put {stack} in geotrain:training.checkpoint.dir), or delete the dir "
+            f"if stack {owner}'s are not needed"
+        )
+
+
+def remove_checkpoints(root: Path, stack: str) -> list[Path]:
     """`geotrain train --fresh`: delete what checkpointers wrote under `root` (its step-N/
-    and quarantine/ directories, high-water records, write probes), then `root` itself if
-    that left it empty. Anything else there is the user's and stays, so a root set to a
-    directory that holds other files (the launch directory, a home) loses none of them.
-    Returns what was deleted."""
+    and quarantine/ directories, high-water records, write probes, the STACK mark), then
+    `root` itself if that left it empty. Anything else there is the user's and stays, so
+    a root set to a directory that holds other files (the launch directory, a home) loses
+    none of them. A root another stack marked is refused, untouched (`claim`). Returns
+    what was deleted."""
     if not root.is_dir():
         return []
+    if (root / OWNER).exists():
+        claim(root, stack)  # raises for another stack's root
     gone = []
     for p in sorted(root.iterdir()):
         ours_dir = p.name == QUARANTINE or (
             p.name.startswith(PREFIX) and p.name[len(PREFIX) :].isdigit()
         )
-        ours_file = (p.name.startswith("high-water-") and p.name.endswith(".json")) or (
-            p.name.startswith(".write-probe-")
+        ours_file = (
+            (p.name.startswith("high-water-") and p.name.endswith(".json"))
+            or p.name.startswith(".write-probe-")
+            or p.name == OWNER
+            or (p.name.startswith(f".{OWNER}.") and p.name.endswith(".tmp"))
         )
         if ours_dir and p.is_dir() and not p.is_symlink():
             shutil.rmtree(p)
@@ -191,6 +224,8 @@ class Checkpointer:
     """Resume behind the high-water mark instead of refusing (ALLOW_ROLLBACK_ENV)."""
     session: Session | None = None
     """The launch's session (`start`); None: an unagreed one (tests and tools)."""
+    stack: str | None = None
+    """The stack the root belongs to (`claim`; None: not checked, for tests and tools)."""
     pending: concurrent.futures.Future[Any] | None = None
     pending_dir: Path | None = None
     fallbacks: list[Fallback] = field(default_factory=list)
@@ -222,6 +257,8 @@ class Checkpointer:
                 probe = self.root / f".write-probe-{self.node}"
                 probe.write_text("ok")
                 probe.unlink()
+                if self.stack is not None:
+                    claim(self.root, self.stack)
             except OSError as e:
                 raise CheckpointError(
                     f"checkpoint dir {self.root} is not writable "

@@ -256,8 +256,8 @@ def run(
         lp.settle(job)
         lp.staged(job)
         job.ckpt.wait()
-        if job.topo.rank == 0 and run_dir is not None:
-            torch.save(job.model.state_dict(), run_dir / "final.pt")
+        if run_dir is not None:
+            st.save_final(job, run_dir)
         if job.leader:
             job.emit("done", step=job.step, digest=lp.params_digest(job.model), heals=q.heals)
     finally:

@@ -156,6 +156,7 @@ def make_checkpointer(
         world=world,
         state_dir=state_dir,
         allow_rollback=os.environ.get(ALLOW_ROLLBACK_ENV) == "1",
+        stack=spec.stack,
     )
 
 

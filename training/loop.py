@@ -25,7 +25,7 @@ from training.privacy import (
     budget_error,
 )
 from training.spec import LaunchSpec
-from training.state import resume, state_dict
+from training.state import resume, save_final, state_dict
 
 CONTROL_EVERY = 10
 """Time-based merges/saves are agreed on every this many steps (two flags per rank, MAC'd:
@@ -264,8 +264,8 @@ def run(
         raise
     staged(job)
     job.ckpt.wait()
-    if job.topo.rank == 0 and run_dir is not None:
-        torch.save(job.model.state_dict(), run_dir / "final.pt")
+    if run_dir is not None:
+        save_final(job, run_dir)
     ledger_hooks.finished(job, run_dir)
     if job.leader:
         job.emit(

@@ -504,6 +504,7 @@ def region_checkpointer(
         group=node_group(spans),
         world=world,
         state_dir=state_dir,
+        stack=spec.stack,
     )
 
 

@@ -4,11 +4,14 @@ templates DCP loads into, and the counters a resume restores."""
 from __future__ import annotations
 
 import dataclasses
+import os
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from training.checkpoint import step_of
+from training.errors import SpecError
 from training.gradsync import buckets
 
 if TYPE_CHECKING:
@@ -87,6 +90,13 @@ def resume(job: Job) -> int | None:
             job.emit("checkpoint_skipped", **dataclasses.asdict(f))
     if d is None:
         return None
+    if step_of(d) >= job.spec.steps:  # every rank: latest() agreed on d
+        raise SpecError(
+            f"the newest checkpoint ({d.parent}) is at step {step_of(d)}, not before the "
+            f"run's last step {job.spec.steps}: nothing to train, and its end would replace "
+            "the weights saved before; raise the steps, or start over with --fresh (it "
+            "deletes the checkpoints)"
+        )
     state = state_dict(job)
     job.ckpt.load(d, state)
     mine = state[f"rank{job.topo.rank}"]
@@ -111,3 +121,14 @@ def resume(job: Job) -> int | None:
         job.diloco.merges = int(c["merges"])
     job.metrics.restarts.inc()
     return step_of(d)
+
+
+def save_final(job: Job, run_dir: Path) -> None:
+    """Rank 0: the run's weights at its end, as <run_dir>/final.pt, replaced atomically (a
+    kill mid-write leaves the previous file whole: the final step is not checkpointed)."""
+    if job.topo.rank != 0:
+        return
+    path = run_dir / "final.pt"
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    torch.save(job.model.state_dict(), tmp)
+    os.replace(tmp, path)

@@ -110,6 +110,25 @@ def seven_steps(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return cwd
 
 
+def test_steps_at_or_before_the_newest_checkpoint_stop_with_one_line_and_keep_the_weights(
+    tmp_path: Path, seven_steps: Path
+) -> None:
+    """7 steps trained (commits 3 and 6, final.pt at 7), then `--steps 6`: resuming at
+    step 6 leaves nothing to train, and writing its weights as final.pt would replace
+    step 7's, which exist nowhere else (the last step is not checkpointed)."""
+    shutil.copytree(seven_steps, tmp_path, dirs_exist_ok=True)
+    final = tmp_path / ".geotrain/faults/final.pt"
+    before = final.read_bytes()
+    stack = str(tmp_path / "Pulumi.faults.yaml")
+    r = geotrain("train", "--stack", stack, "--steps", "6", cwd=tmp_path)
+    out = r.stdout + r.stderr
+    assert r.returncode == 2 and "Traceback" not in out, out
+    assert "is at step 6, not before the run's last step 6" in out and "--fresh" in out
+    assert final.read_bytes() == before
+    root = tmp_path / ".geotrain/faults/checkpoints"
+    assert all(committed(root, n) == {3, 6} for n in NODES)
+
+
 @pytest.mark.parametrize("case", sorted(CORRUPTIONS))
 def test_corrupt_newest_checkpoint_is_quarantined_reported_and_the_run_ends_bitwise_equal(
     tmp_path: Path, case: str, reference: dict[str, torch.Tensor], seven_steps: Path

@@ -36,7 +36,8 @@ def test_train_runs_three_regions_and_reports(tmp_path: Path) -> None:
     assert "cross-region bytes" in r.stdout and "compression ratio" in r.stdout
     # only committed, verified checkpoints remain, at most `keep`, one directory per node
     root = tmp_path / ".geotrain/run/checkpoints"
-    assert sorted(p.name for p in root.iterdir()) == ["step-3", "step-6"]
+    assert sorted(p.name for p in root.iterdir()) == ["STACK", "step-3", "step-6"]
+    assert (root / "STACK").read_text() == "run\n"  # the root is this stack's
     for node in NODES:
         assert committed(root, node) == {3, 6}
     # the signed ledger names those checkpoints and the final weights; one flipped byte in

@@ -364,6 +364,7 @@ def test_fresh_deletes_only_what_checkpointers_wrote(tmp_path: Path) -> None:
         (root / d / "x.distcp").write_text("x")
     (root / "high-water-bj-0.json").write_text("{}")
     (root / ".write-probe-bj-0").write_text("")
+    (root / "STACK").write_text("local\n")
     mine = {
         "notes.md": "keep",
         "step-by-step.txt": "keep",
@@ -373,13 +374,14 @@ def test_fresh_deletes_only_what_checkpointers_wrote(tmp_path: Path) -> None:
     for name, text in mine.items():
         (root / name).parent.mkdir(parents=True, exist_ok=True)
         (root / name).write_text(text)
-    gone = remove_checkpoints(root)
+    gone = remove_checkpoints(root, "local")
     assert {p.name for p in gone} == {
         "step-10",
         "step-20",
         "quarantine",
         "high-water-bj-0.json",
         ".write-probe-bj-0",
+        "STACK",
     }
     assert all((root / name).read_text() == text for name, text in mine.items())
     assert sorted(p.name for p in root.iterdir()) == [
@@ -390,5 +392,30 @@ def test_fresh_deletes_only_what_checkpointers_wrote(tmp_path: Path) -> None:
     ]
     only = tmp_path / "only"  # a root of checkpoints alone goes with them
     (only / "step-1" / "bj-0").mkdir(parents=True)
-    remove_checkpoints(only)
-    assert not only.exists() and remove_checkpoints(tmp_path / "never") == []
+    remove_checkpoints(only, "local")
+    assert not only.exists() and remove_checkpoints(tmp_path / "never", "local") == []
+
+
+def test_a_root_of_another_stack_is_refused_and_fresh_leaves_it_whole(tmp_path: Path) -> None:
+    """Two stacks with one checkpoint dir would quarantine, prune and delete each other's
+    steps: the first to use a root marks it, the other is refused before touching it."""
+    from training.checkpoint import OWNER, claim, remove_checkpoints
+
+    root = _make(tmp_path)  # run-a's steps, unmarked (a root from before the mark)
+    claim(root, "a")
+    assert (root / OWNER).read_text() == "a\n"
+    before = sorted(p.relative_to(root) for p in root.rglob("*"))
+    with pytest.raises(CheckpointError, match=r"holds stack a's checkpoints .*its own"):
+        remove_checkpoints(root, "b")
+    assert "holds stack a's" in run_world(_claimed, 1, str(root), "b")[0]
+    assert sorted(p.relative_to(root) for p in root.rglob("*")) == before
+    claim(root, "a")  # the same stack: its runs share the root
+    assert remove_checkpoints(root, "a") and not root.exists()
+
+
+def _claimed(rank: int, world: int, root: str, stack: str) -> str:
+    try:
+        Checkpointer(Path(root), "n0", "run-b", KEY, 3, stack=stack)
+    except CheckpointError as e:
+        return str(e)
+    return "opened"
