@@ -39,8 +39,9 @@ def prepare_local_run(model: StackModel, fresh: bool) -> tuple[LaunchSpec, Path,
     from infra.plan import build_plan
     from infra.render import render_launch_spec
     from training.checkpoint import remove_checkpoints
+    from training.errors import KeyFileError
     from training.keys import create_key_file
-    from training.spec import node_root
+    from training.spec import node_root, record_path
 
     plan = build_plan(model)
     kinds = {r.kind for r in plan.regions}
@@ -61,12 +62,26 @@ def prepare_local_run(model: StackModel, fresh: bool) -> tuple[LaunchSpec, Path,
             )
     spec = render_launch_spec(plan)
     run_dir = local_run_dir(model)
+    roots = {
+        n.name: node_root(spec.checkpoint.dir, spec.stack, n.name, r.name)
+        for r in spec.regions
+        for n in r.nodes
+    }
     if fresh:  # every node's root (the dir may hold {node} or {region}): only the
-        # checkpointers' files go, whatever else the root holds stays
-        for r in spec.regions:
-            for n in r.nodes:
-                root = node_root(spec.checkpoint.dir, spec.stack, n.name, r.name)
-                remove_checkpoints(root, spec.stack)
+        # checkpointers' files go, whatever else the root holds stays; and the nodes'
+        # high-water records, or a root left with other files would read as a rollback
+        for node, root in roots.items():
+            remove_checkpoints(root, spec.stack)
+            record_path(run_dir, node).unlink(missing_ok=True)
+    key = Path(spec.key_file)
+    if not key.exists() and not key.is_symlink():
+        kept = sorted({str(root) for root in roots.values() if any(root.glob("step-*"))})
+        if kept:  # a new key would verify none of them: training would start over
+            raise KeyFileError(
+                f"the run key {key} is gone but checkpoints signed with it remain in "
+                f"{', '.join(kept)}; put the key file back to resume, or start over with "
+                "--fresh (it deletes them)"
+            )
     run_dir.mkdir(parents=True, exist_ok=True)
     # the rendezvous port is chosen now: a fixed port may be taken on a shared machine
     spec = dataclasses.replace(spec, master_port=free_port())

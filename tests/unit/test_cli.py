@@ -402,3 +402,37 @@ def test_an_overlay_hosts_do_not_route_is_refused(write_stack: Any, cidr: str) -
         cli, ["validate", "--stack", str(write_stack("global", _upd("network", overlay_cidr=cidr)))]
     )
     assert r.exit_code == 2 and "network.overlay_cidr" in r.output, r.output
+
+
+def test_a_lost_run_key_with_checkpoints_left_stops_before_training_from_step_0(
+    write_stack: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A new key would verify none of the checkpoints: every one would be quarantined and
+    the run would start over from step 0 without a word."""
+    f = write_stack("local", name="keyless")
+    monkeypatch.chdir(tmp_path)
+    step = tmp_path / ".geotrain/keyless/checkpoints/step-20/bj-0"
+    step.mkdir(parents=True)
+    r = CliRunner().invoke(cli, ["train", "--stack", str(f)])
+    assert r.exit_code == 2 and "run key .geotrain/keyless/run.key is gone" in r.output, r.output
+    assert "--fresh" in r.output and step.is_dir()
+    assert not (tmp_path / ".geotrain/keyless/run.key").exists()  # no new key made
+
+
+def test_fresh_forgets_the_high_water_records_even_when_the_root_keeps_other_files(
+    write_stack: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A root on its own disk keeps lost+found after --fresh: the run dir's high-water
+    records must go too, or the next resume calls the emptied root a rollback."""
+    from geotrain.commands import prepare_local_run
+    from infra.model import load_stack
+
+    f = write_stack("local", name="fresh")
+    monkeypatch.chdir(tmp_path)
+    run = tmp_path / ".geotrain/fresh"
+    (run / "checkpoints/lost+found").mkdir(parents=True)
+    (run / "checkpoints/step-20/bj-0").mkdir(parents=True)
+    (run / "high-water-bj-0.json").write_text("{}")
+    prepare_local_run(load_stack(str(f)), fresh=True)
+    assert not (run / "high-water-bj-0.json").exists()
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["lost+found"]
