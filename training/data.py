@@ -55,7 +55,13 @@ def _read(uri: str, name: str, index: int, regions: int) -> bytes:
                 f"shard {name}: {path} holds no readable text; point file: at "
                 "a text file or a directory of .txt files"
             )
-        return b"\n".join(f.read_bytes() for f in files)
+        try:
+            return b"\n".join(f.read_bytes() for f in files)
+        except OSError as e:  # unreadable: a deterministic failure, not one to restart on
+            raise DataError(
+                f"shard {name}: cannot read {e.filename or path} ({e.strerror or e}); fix "
+                "its permissions or point the shard elsewhere"
+            ) from None
     raise DataError(f"shard {name}: unsupported uri '{uri}'; use pydoc-topics:auto or file:")
 
 

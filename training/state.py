@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from training.checkpoint import step_of
-from training.errors import SpecError
+from training.errors import OutputError, SpecError
 from training.gradsync import buckets
 
 if TYPE_CHECKING:
@@ -130,5 +130,15 @@ def save_final(job: Job, run_dir: Path) -> None:
         return
     path = run_dir / "final.pt"
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    torch.save(job.model.state_dict(), tmp)
-    os.replace(tmp, path)
+    try:
+        torch.save(job.model.state_dict(), tmp)
+        os.replace(tmp, path)
+    # a full disk, the run dir gone: retraining would not help (torch's writer reports
+    # them as RuntimeError: "PytorchStreamWriter failed writing file", "Parent directory")
+    except (OSError, RuntimeError) as e:
+        tmp.unlink(missing_ok=True)
+        why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)[:120]
+        raise OutputError(
+            f"cannot write the final weights {path} ({why}); free space or "
+            "restore the run dir, then run again: it resumes from the last checkpoint"
+        ) from None

@@ -3,10 +3,12 @@ saves, and clear errors for unusable directories."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
 import subprocess
+import types
 from pathlib import Path
 from typing import Any
 
@@ -419,3 +421,36 @@ def _claimed(rank: int, world: int, root: str, stack: str) -> str:
     except CheckpointError as e:
         return str(e)
     return "opened"
+
+
+def test_an_unreadable_shard_and_an_unwritable_final_file_are_errors_that_stop_not_restart(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Both failures repeat on every attempt: a GeotrainError (exit 2, no torchrun
+    restart) naming the file, not an OSError traceback restarted max_restarts times."""
+    import errno
+
+    from training.data import load_region_text
+    from training.errors import DataError, OutputError
+    from training.state import save_final
+    from training.testing import make_spec
+
+    shard = tmp_path / "corpus.txt"
+    shard.write_bytes(b"x" * 8192)
+    spec = make_spec(regions=1, local=1)
+    r = spec.regions[0]
+    region = dataclasses.replace(r, shards=[dataclasses.replace(r.shards[0], uri=f"file:{shard}")])
+
+    def eio(self: Path) -> bytes:
+        raise OSError(errno.EIO, "Input/output error", str(self))
+
+    monkeypatch.setattr(Path, "read_bytes", eio)
+    with pytest.raises(DataError, match=r"cannot read .*corpus.txt \(Input/output error\)"):
+        load_region_text(region, 0, 1)
+    monkeypatch.undo()
+
+    job = types.SimpleNamespace(topo=types.SimpleNamespace(rank=0), model=torch.nn.Linear(2, 2))
+    with pytest.raises(OutputError, match="cannot write the final weights"):
+        save_final(job, tmp_path / "gone")  # type: ignore[arg-type]
+    save_final(job, tmp_path)  # type: ignore[arg-type]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.txt", "final.pt"]
