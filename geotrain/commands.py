@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import click
 
 from geotrain.options import STACK, friendly
-from training.errors import ConfigError, SpecError
+from training.errors import ConfigError, OutputError, SpecError
 from training.spec import LaunchSpec
 
 if TYPE_CHECKING:
@@ -145,7 +145,13 @@ def _train(stack: str, spec: LaunchSpec, spec_path: Path, run_dir: Path) -> None
         if prom:
             prom.stop()
     report = summarize(log, spec.steps)
-    (run_dir / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    try:
+        (run_dir / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    except OSError as e:  # the run dir removed or its disk full while training
+        raise OutputError(
+            f"the run's report {run_dir / 'report.json'} cannot be written "
+            f"({e.strerror or e}); its checkpoints stay where they are"
+        ) from None
     if not result.ok:
         last = result.attempts[-1]
         tail = _log_tail(run_dir / "logs", last.failed)

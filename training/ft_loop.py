@@ -256,7 +256,9 @@ def run(
         lp.settle(job)
         lp.staged(job)
         job.ckpt.wait()
-        if run_dir is not None:
+        # every region's leader: a region may be stopped for finishing too late
+        # (training.launch), so region 0 alone could leave no final weights
+        if run_dir is not None and job.leader:
             st.save_final(job, run_dir)
         if job.leader:
             job.emit("done", step=job.step, digest=lp.params_digest(job.model), heals=q.heals)

@@ -264,7 +264,7 @@ def run(
         raise
     staged(job)
     job.ckpt.wait()
-    if run_dir is not None:
+    if run_dir is not None and job.topo.rank == 0:
         save_final(job, run_dir)
     ledger_hooks.finished(job, run_dir)
     if job.leader:

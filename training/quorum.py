@@ -243,12 +243,18 @@ def advertised(ft: FaultToleranceSpec, server: LighthouseServer) -> str:
 
 def start_lighthouse(ft: FaultToleranceSpec) -> LighthouseServer:
     """The Lighthouse on exactly `ft.lighthouse` (host:port; port 0 picks one)."""
-    return LighthouseServer(
-        bind=ft.lighthouse,
-        min_replicas=ft.min_replicas,
-        join_timeout_ms=int(ft.join_timeout_s * 1000),
-        heartbeat_timeout_ms=int(ft.heartbeat_timeout_s * 1000),
-    )
+    try:
+        return LighthouseServer(
+            bind=ft.lighthouse,
+            min_replicas=ft.min_replicas,
+            join_timeout_ms=int(ft.join_timeout_s * 1000),
+            heartbeat_timeout_ms=int(ft.heartbeat_timeout_s * 1000),
+        )
+    except RuntimeError as e:  # torchft's Rust server: "Address already in use (os error 98)"
+        raise SpecError(
+            f"cannot start the Lighthouse on {ft.lighthouse} ({str(e)[:120]}); free the port "
+            "or move geotrain:training.fault_tolerance.port"
+        ) from None
 
 
 # -- one rank's quorum ----------------------------------------------------------------

@@ -124,10 +124,9 @@ def resume(job: Job) -> int | None:
 
 
 def save_final(job: Job, run_dir: Path) -> None:
-    """Rank 0: the run's weights at its end, as <run_dir>/final.pt, replaced atomically (a
-    kill mid-write leaves the previous file whole: the final step is not checkpointed)."""
-    if job.topo.rank != 0:
-        return
+    """The run's weights at its end, as <run_dir>/final.pt, replaced atomically (a kill
+    mid-write leaves the previous file whole: the final step is not checkpointed). The
+    caller picks the writer(s); writers of identical weights may race (a temp file each)."""
     path = run_dir / "final.pt"
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:

@@ -229,6 +229,17 @@ def test_lighthouse_ports_collide_only_with_what_runs_on_its_node(tmp_path: Path
     load_stack(str(lab(lighthouse="beijing", port=9100)))  # lab nodes: no node exporter
 
 
+def test_a_lighthouse_port_in_use_is_one_line_naming_the_setting() -> None:
+    from training.quorum import start_lighthouse
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        taken = replace(FT, lighthouse=f"127.0.0.1:{s.getsockname()[1]}")
+        with pytest.raises(SpecError, match=r"cannot start the Lighthouse .*in use.*\.port"):
+            start_lighthouse(taken)
+
+
 def test_the_launcher_of_the_lighthouse_node_hosts_it_and_no_other_launcher_does() -> None:
     spec = make_spec(2, 1, fault_tolerance=replace(FT, lighthouse="127.0.0.1:0", min_replicas=1))
     other = replace(spec.regions[0].nodes[0], host="10.9.0.1")
