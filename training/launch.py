@@ -55,7 +55,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from training.errors import GeotrainError, RendezvousTimeout
+from training.errors import GeotrainError, RendezvousTimeout, SpecError
 from training.spec import LaunchSpec, NodeSpec, node_root, record_path
 
 POLL_S = 0.2
@@ -343,6 +343,8 @@ class Supervisor:
     finished_at: float | None = None
     """fault_tolerance: when the first region here finished the run (monotonic)."""
     jobs: list[RdzvJob] = field(init=False)
+    stores: list[tuple[RdzvJob, Path, subprocess.Popen[bytes]]] = field(default_factory=list)
+    """The rendezvous stores this launcher hosts: (job, log, process)."""
 
     def __post_init__(self) -> None:
         self.jobs = rdzv_jobs(self.spec)
@@ -355,12 +357,12 @@ class Supervisor:
         env = worker_env(self.run_dir)
         t0, started = time.monotonic(), time.time()
         here = {n.name for n in self.nodes}
-        stores = []
+        self.stores.clear()
         try:
             for job in self.jobs:
                 if job.host.name in here:
                     log = log_dir / f"rendezvous-store-{job.name}.log"
-                    stores.append(spawn(store_command(job), env, log))
+                    self.stores.append((job, log, spawn(store_command(job), env, log)))
             for n in self.nodes:
                 if (job := job_of(self.jobs, n.name)).host.name not in here:
                     reach_store(job, n)
@@ -371,7 +373,7 @@ class Supervisor:
             self.result.attempts.append(end)
         finally:
             _stop(self.procs.values())
-            _stop(stores)
+            _stop([p for _, _, p in self.stores])
 
     def _log(self, node: str) -> Path:
         return self.run_dir / "logs" / f"{node}-torchrun.log"
@@ -385,6 +387,7 @@ class Supervisor:
         while True:
             if on_poll:
                 on_poll()
+            self._check_stores()
             new = self._new_failures()
             ended = {k: rc for k, p in self.procs.items() if (rc := p.poll()) is not None}
             # read once a worker is gone: its event precedes its agent's log line, and a
@@ -421,6 +424,20 @@ class Supervisor:
             if len(ended) == len(self.procs):
                 return Attempt(0)
             time.sleep(POLL_S)
+
+    def _check_stores(self) -> None:
+        """A store serves until it is stopped: one that exited (its port taken, its address
+        not on this host) leaves its torchruns waiting out their rendezvous timeout
+        (600 s) for nothing. Fail at once, with its log's last line."""
+        for job, log, proc in self.stores:
+            if (rc := proc.poll()) is None:
+                continue
+            lines = log.read_text(errors="replace").strip().splitlines() if log.exists() else []
+            raise SpecError(
+                f"the rendezvous store of {job.name} on {job.addr}:{job.port} exited with {rc} "
+                f"({lines[-1][:160] if lines else 'no output'}; {log}); free the port or fix "
+                "the address"
+            )
 
     def _stop_job_of(self, node: str) -> None:
         _stop([self.procs[n.name] for n in job_of(self.jobs, node).nodes if n.name in self.procs])

@@ -5,6 +5,7 @@ worker) and tests/integration/test_train_local.py (kill -9, job-wide restart).""
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 
 import pytest
@@ -119,3 +120,25 @@ def test_a_run_dir_that_cannot_be_one_is_one_line_not_a_traceback(
     with pytest.raises(GeotrainError, match=r"cannot use .* as the run directory of stack x"):
         lock.__enter__()
     assert (tmp_path / "afile").read_text() == "mine"  # nothing of the user's touched
+
+
+def test_a_rendezvous_store_that_exits_fails_the_launch_at_once_with_its_last_line(
+    tmp_path: Path,
+) -> None:
+    """Its torchruns would otherwise wait out their 600 s rendezvous timeout."""
+    import subprocess
+    import sys
+
+    spec = make_spec(2, 1)
+    sup = launch.Supervisor(spec, tmp_path / "spec.json", [], tmp_path, launch.LaunchResult())
+    log = tmp_path / "rendezvous-store-run.log"
+    fail = "print('RuntimeError: Address already in use'); raise SystemExit(1)"
+    proc = launch.spawn([sys.executable, "-c", fail], dict(os.environ), log)
+    proc.wait()
+    sup.stores.append((sup.jobs[0], log, proc))
+    with pytest.raises(SpecError, match=r"rendezvous store of run on .* exited with 1 \(Runt"):
+        sup._check_stores()
+    sup.stores[0] = (sup.jobs[0], log, subprocess.Popen(["sleep", "30"]))
+    sup._check_stores()  # serving: nothing to say
+    sup.stores[0][2].kill()
+    sup.stores[0][2].wait()
