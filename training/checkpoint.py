@@ -416,9 +416,18 @@ class Checkpointer:
         _write_atomic(d / MANIFEST, json.dumps(body, indent=1, sort_keys=True))
         # the high-water mark first: a committed step is never above it (a kill between
         # the two leaves a torn directory, which resume sees and sets aside)
+        before = dict(self._record), self._record_problem
         if step > (self._record.get("high_water") or -1) or self._record_problem:
             self._write_record(high_water=step)
-        _write_atomic(d / MARKER, hashlib.sha256(canon).hexdigest() + "\n")
+        try:
+            _write_atomic(d / MARKER, hashlib.sha256(canon).hexdigest() + "\n")
+        except OSError:  # the caller removes the torn directory: lower the mark again, or
+            # the next resume calls the step that never committed a rollback
+            if self._record.get("high_water") == step and before[0].get("high_water") != step:
+                with contextlib.suppress(OSError):
+                    self._record, self._record_problem = before
+                    self._write_record()
+            raise
 
     def _prune(self) -> None:
         committed = self._committed()

@@ -323,6 +323,36 @@ def _try_save(rank: int, world: int, root: str, n: int, step: int = 1) -> str:
     return "saved"
 
 
+def _marker_write_fails(rank: int, world: int, root: str) -> str:
+    """Step 1 commits; step 2's marker write fails (disk full at the last moment)."""
+    import errno
+
+    from training import checkpoint as ck
+
+    real = ck._write_atomic
+
+    def full(path: Path, text: str) -> None:
+        if path.name == MARKER and path.parent.parent.name == "step-2":
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        real(path, text)
+
+    ck._write_atomic = full  # type: ignore[assignment]
+    return _try_save(rank, world, root, 1000) + "|" + _try_save(rank, world, root, 1000, 2)
+
+
+def test_a_failed_marker_write_leaves_no_high_water_mark_above_the_committed_steps(
+    tmp_path: Path,
+) -> None:
+    """The mark is raised before the marker is written; when that write fails the torn
+    step is removed, so the mark must come down again: else the next resume refuses a
+    rollback to step 1 of a step 2 that never committed."""
+    root = tmp_path / "ckpt"
+    first, second = run_world(_marker_write_fails, 1, str(root))[0].split("|")
+    assert first == "saved" and "No space left" in second, second
+    name, fallbacks, value = _resume(root)
+    assert (name, value) == ("step-1", 1.0) and fallbacks == []
+
+
 needs_root = pytest.mark.skipif(
     os.geteuid() != 0 or not shutil.which("mount"), reason="needs root to mount a small tmpfs"
 )
