@@ -397,8 +397,18 @@ class Checkpointer:
                 raise self._write_error(self.pending_dir or self.root, e) from None
 
     def _write_error(self, where: Path, e: BaseException) -> CheckpointError:
-        if self.leader and where.parent.name.startswith(PREFIX) and not (where / MARKER).exists():
-            self._remove(where)  # the torn attempt only wastes space
+        # the torn attempt only wastes space; but not at the high-water mark (its marker
+        # write failed after the mark went up): resume accepts a torn step there and
+        # removes it, while a vanished one reads as a rollback (and lowering the mark
+        # needs the space a full disk does not have)
+        mark = self._record.get("high_water")
+        if (
+            self.leader
+            and where.parent.name.startswith(PREFIX)
+            and not (where / MARKER).exists()
+            and step_of(where) != mark
+        ):
+            self._remove(where)
         free = shutil.disk_usage(self.root).free if self.root.exists() else 0
         first = (str(e).strip().splitlines() or [type(e).__name__])[-1][:200]
         full = " (disk full)" if free < 1 << 20 else ""
@@ -416,18 +426,9 @@ class Checkpointer:
         _write_atomic(d / MANIFEST, json.dumps(body, indent=1, sort_keys=True))
         # the high-water mark first: a committed step is never above it (a kill between
         # the two leaves a torn directory, which resume sees and sets aside)
-        before = dict(self._record), self._record_problem
         if step > (self._record.get("high_water") or -1) or self._record_problem:
             self._write_record(high_water=step)
-        try:
-            _write_atomic(d / MARKER, hashlib.sha256(canon).hexdigest() + "\n")
-        except OSError:  # the caller removes the torn directory: lower the mark again, or
-            # the next resume calls the step that never committed a rollback
-            if self._record.get("high_water") == step and before[0].get("high_water") != step:
-                with contextlib.suppress(OSError):
-                    self._record, self._record_problem = before
-                    self._write_record()
-            raise
+        _write_atomic(d / MARKER, hashlib.sha256(canon).hexdigest() + "\n")
 
     def _prune(self) -> None:
         committed = self._committed()

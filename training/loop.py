@@ -62,7 +62,9 @@ def due(job: Job) -> tuple[bool, bool]:
         job.pending.append(job.control.start_gather(mine))  # every rank's flags, verified
         views = job.pending.pop(0).result() if len(job.pending) > CONTROL_LATE else []
         merge_due = merge_due or any(v[0] for v in views)
-        ckpt_due = ckpt_due or any(v[1] for v in views)
+        # never the last step: final.pt holds it, and a checkpoint there would leave a
+        # rerun or a restart nothing to train (state.resume refuses it)
+        ckpt_due = ckpt_due or (any(v[1] for v in views) and s != spec.steps)
     return merge_due, ckpt_due
 
 

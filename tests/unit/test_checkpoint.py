@@ -330,9 +330,11 @@ def _marker_write_fails(rank: int, world: int, root: str) -> str:
     from training import checkpoint as ck
 
     real = ck._write_atomic
+    full_now = []
 
-    def full(path: Path, text: str) -> None:
-        if path.name == MARKER and path.parent.parent.name == "step-2":
+    def full(path: Path, text: str) -> None:  # full from step 2's marker on, for good
+        if full_now or (path.name == MARKER and path.parent.parent.name == "step-2"):
+            full_now.append(path)
             raise OSError(errno.ENOSPC, "No space left on device", str(path))
         real(path, text)
 
@@ -343,14 +345,15 @@ def _marker_write_fails(rank: int, world: int, root: str) -> str:
 def test_a_failed_marker_write_leaves_no_high_water_mark_above_the_committed_steps(
     tmp_path: Path,
 ) -> None:
-    """The mark is raised before the marker is written; when that write fails the torn
-    step is removed, so the mark must come down again: else the next resume refuses a
-    rollback to step 1 of a step 2 that never committed."""
+    """The mark is raised before the marker is written. When that write fails (the disk
+    full, so the mark cannot come down again), the torn step stays for resume, which
+    accepts a torn step at the mark; removed, it read as a rollback of step 2."""
     root = tmp_path / "ckpt"
     first, second = run_world(_marker_write_fails, 1, str(root))[0].split("|")
     assert first == "saved" and "No space left" in second, second
     name, fallbacks, value = _resume(root)
-    assert (name, value) == ("step-1", 1.0) and fallbacks == []
+    assert (name, value) == ("step-1", 1.0)
+    assert [(f.step, f.reason) for f in fallbacks] == [(2, "no commit marker (torn save)")]
 
 
 needs_root = pytest.mark.skipif(
@@ -484,3 +487,33 @@ def test_an_unreadable_shard_and_an_unwritable_final_file_are_errors_that_stop_n
         save_final(job, tmp_path / "gone")  # type: ignore[arg-type]
     save_final(job, tmp_path)  # type: ignore[arg-type]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.txt", "final.pt"]
+
+
+def test_a_time_based_save_never_lands_on_the_last_step() -> None:
+    """final.pt holds the last step; a checkpoint there would leave a rerun or a restart
+    nothing to train (state.resume refuses it)."""
+    from training import loop
+
+    class Done:
+        def __init__(self, flags: list[bool]) -> None:
+            self.flags = flags
+
+        def result(self) -> list[list[bool]]:
+            return [self.flags]
+
+    def after(step: int, steps: int) -> bool:
+        job = types.SimpleNamespace(
+            step=step - 1,
+            spec=types.SimpleNamespace(
+                steps=steps,
+                checkpoint=types.SimpleNamespace(interval_steps=1000, interval_minutes=1),
+            ),
+            diloco=None,
+            last_save=-1e9,  # the time trigger is due
+            control=types.SimpleNamespace(start_gather=lambda mine: Done(mine)),
+            pending=[Done([False, True])] * (loop.CONTROL_LATE + 1),
+        )
+        return loop.due(job)[1]  # type: ignore[arg-type]
+
+    steps = 6 * loop.CONTROL_EVERY
+    assert after(steps - loop.CONTROL_EVERY, steps) and not after(steps, steps)
