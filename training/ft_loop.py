@@ -256,9 +256,9 @@ def run(
         lp.settle(job)
         lp.staged(job)
         job.ckpt.wait()
-        # every region's leader: a region may be stopped for finishing too late
-        # (training.launch), so region 0 alone could leave no final weights
-        if run_dir is not None and job.leader:
+        # the first region leader to finish: region 0 may be stopped for finishing too
+        # late (training.launch), and a later one must not replace the run's weights
+        if run_dir is not None and job.leader and st.first_to_finish(run_dir):
             st.save_final(job, run_dir)
         if job.leader:
             job.emit("done", step=job.step, digest=lp.params_digest(job.model), heals=q.heals)

@@ -56,7 +56,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from training.errors import GeotrainError, RendezvousTimeout, SpecError
-from training.spec import LaunchSpec, NodeSpec, node_root, record_path
+from training.spec import FINAL_CLAIM, LaunchSpec, NodeSpec, node_root, record_path
 
 POLL_S = 0.2
 LOCK = "launcher.lock"
@@ -290,6 +290,7 @@ def launch(
         signal.signal(sig, _exit_on_signal)
     result = LaunchResult()
     forget_records_of_fresh_roots(spec, nodes, run_dir)
+    (run_dir / FINAL_CLAIM).unlink(missing_ok=True)  # this launch's first finisher writes
     bad = preflight(spec, nodes, run_dir / "logs")
     if bad is not None:
         result.attempts.append(bad)

@@ -458,6 +458,11 @@ def node_root(template: str, stack: str, node: str, region: str) -> Path:
     )
 
 
+FINAL_CLAIM = ".final.claim"
+"""<run_dir>/.final.claim: made (O_EXCL) by the region leader that writes final.pt this
+launch under fault_tolerance (the first to finish); the launcher removes it at start."""
+
+
 def record_path(state_dir: Path, node: str) -> Path:
     """A node's high-water record (training.checkpoint)."""
     return state_dir / f"high-water-{node}.json"

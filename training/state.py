@@ -13,6 +13,7 @@ import torch
 from training.checkpoint import step_of
 from training.errors import OutputError, SpecError
 from training.gradsync import buckets
+from training.spec import FINAL_CLAIM
 
 if TYPE_CHECKING:
     from training.job import Job
@@ -126,8 +127,10 @@ def resume(job: Job) -> int | None:
 def save_final(job: Job, run_dir: Path) -> None:
     """The run's weights at its end, as <run_dir>/final.pt, replaced atomically (a kill
     mid-write leaves the previous file whole: the final step is not checkpointed). The
-    caller picks the writer(s); writers of identical weights may race (a temp file each)."""
+    caller picks the one writer (`first_to_finish` under fault tolerance)."""
     path = run_dir / "final.pt"
+    for stale in run_dir.glob(f".{path.name}.*.tmp"):  # a writer killed mid-save
+        stale.unlink(missing_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         torch.save(job.model.state_dict(), tmp)
@@ -141,3 +144,15 @@ def save_final(job: Job, run_dir: Path) -> None:
             f"cannot write the final weights {path} ({why}); free space or "
             "restore the run dir, then run again: it resumes from the last checkpoint"
         ) from None
+
+
+def first_to_finish(run_dir: Path) -> bool:
+    """fault_tolerance: whether this region leader is the first of this launch to finish,
+    so the one to write final.pt. The launcher counts the first region done as the run's
+    end; a region finishing later (min_replicas 1 lets one train on alone) must not
+    replace those weights with its own."""
+    try:
+        os.close(os.open(run_dir / FINAL_CLAIM, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+    except FileExistsError:
+        return False
+    return True

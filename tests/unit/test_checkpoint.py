@@ -517,3 +517,19 @@ def test_a_time_based_save_never_lands_on_the_last_step() -> None:
 
     steps = 6 * loop.CONTROL_EVERY
     assert after(steps - loop.CONTROL_EVERY, steps) and not after(steps, steps)
+
+
+def test_the_first_region_to_finish_writes_the_final_weights_and_stale_temps_go(
+    tmp_path: Path,
+) -> None:
+    from training.spec import FINAL_CLAIM
+    from training.state import first_to_finish, save_final
+
+    assert first_to_finish(tmp_path) and not first_to_finish(tmp_path)  # one per launch
+    (tmp_path / FINAL_CLAIM).unlink()  # the launcher, at the next launch
+    assert first_to_finish(tmp_path)
+    stale = tmp_path / ".final.pt.4242.tmp"  # a writer killed mid-save
+    stale.write_bytes(b"x" * 100)
+    job = types.SimpleNamespace(model=torch.nn.Linear(2, 2))
+    save_final(job, tmp_path)  # type: ignore[arg-type]
+    assert not stale.exists() and (tmp_path / "final.pt").is_file()
