@@ -123,8 +123,8 @@ def claim(root: Path, stack: str) -> None:
     if owner != stack:
         raise CheckpointError(
             f"checkpoint dir {root} holds stack {owner}'s checkpoints ({f}); give each stack "
-            "its own (put {stack} in geotrain:training.checkpoint.dir), or delete the dir "
-            f"if stack {owner}'s are not needed"
+            "its own (put {stack} in geotrain:training.checkpoint.dir), or, if the stack "
+            f"was renamed from {owner} or its checkpoints are not needed, delete {f}"
         )
 
 

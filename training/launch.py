@@ -344,8 +344,8 @@ class Supervisor:
     finished_at: float | None = None
     """fault_tolerance: when the first region here finished the run (monotonic)."""
     jobs: list[RdzvJob] = field(init=False)
-    stores: list[tuple[RdzvJob, Path, subprocess.Popen[bytes]]] = field(default_factory=list)
-    """The rendezvous stores this launcher hosts: (job, log, process)."""
+    stores: list[tuple[RdzvJob, Path, int, subprocess.Popen[bytes]]] = field(default_factory=list)
+    """The rendezvous stores this launcher hosts: (job, log, its size before, process)."""
 
     def __post_init__(self) -> None:
         self.jobs = rdzv_jobs(self.spec)
@@ -363,7 +363,8 @@ class Supervisor:
             for job in self.jobs:
                 if job.host.name in here:
                     log = log_dir / f"rendezvous-store-{job.name}.log"
-                    self.stores.append((job, log, spawn(store_command(job), env, log)))
+                    at = log.stat().st_size if log.exists() else 0  # earlier launches' lines
+                    self.stores.append((job, log, at, spawn(store_command(job), env, log)))
             for n in self.nodes:
                 if (job := job_of(self.jobs, n.name)).host.name not in here:
                     reach_store(job, n)
@@ -374,7 +375,7 @@ class Supervisor:
             self.result.attempts.append(end)
         finally:
             _stop(self.procs.values())
-            _stop([p for _, _, p in self.stores])
+            _stop([p for *_, p in self.stores])
 
     def _log(self, node: str) -> Path:
         return self.run_dir / "logs" / f"{node}-torchrun.log"
@@ -430,10 +431,12 @@ class Supervisor:
         """A store serves until it is stopped: one that exited (its port taken, its address
         not on this host) leaves its torchruns waiting out their rendezvous timeout
         (600 s) for nothing. Fail at once, with its log's last line."""
-        for job, log, proc in self.stores:
+        for job, log, at, proc in self.stores:
             if (rc := proc.poll()) is None:
                 continue
-            lines = log.read_text(errors="replace").strip().splitlines() if log.exists() else []
+            with open(log, "rb") as f:
+                f.seek(at)
+                lines = f.read().decode(errors="replace").strip().splitlines()
             raise SpecError(
                 f"the rendezvous store of {job.name} on {job.addr}:{job.port} exited with {rc} "
                 f"({lines[-1][:160] if lines else 'no output'}; {log}); free the port or fix "

@@ -436,3 +436,23 @@ def test_fresh_forgets_the_high_water_records_even_when_the_root_keeps_other_fil
     prepare_local_run(load_stack(str(f)), fresh=True)
     assert not (run / "high-water-bj-0.json").exists()
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["lost+found"]
+
+
+def test_fresh_deletes_no_root_when_one_of_them_is_another_stacks(
+    write_stack: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from geotrain.commands import prepare_local_run
+    from infra.model import load_stack
+    from training.errors import CheckpointError
+
+    def per_node(c: dict[str, Any]) -> None:
+        c["geotrain:training"]["checkpoint"]["dir"] = "ckpt/{node}"
+
+    f = write_stack("local", per_node, name="both")
+    monkeypatch.chdir(tmp_path)
+    for node in ("bj-0", "fra-0"):
+        (tmp_path / "ckpt" / node / "step-3" / node).mkdir(parents=True)
+    (tmp_path / "ckpt" / "fra-0" / "STACK").write_text("other\n")
+    with pytest.raises(CheckpointError, match="holds stack other's"):
+        prepare_local_run(load_stack(str(f)), fresh=True)
+    assert (tmp_path / "ckpt/bj-0/step-3").is_dir()  # all or none: bj-0's stayed too

@@ -135,10 +135,14 @@ def test_a_rendezvous_store_that_exits_fails_the_launch_at_once_with_its_last_li
     fail = "print('RuntimeError: Address already in use'); raise SystemExit(1)"
     proc = launch.spawn([sys.executable, "-c", fail], dict(os.environ), log)
     proc.wait()
-    sup.stores.append((sup.jobs[0], log, proc))
+    sup.stores.append((sup.jobs[0], log, 0, proc))
     with pytest.raises(SpecError, match=r"rendezvous store of run on .* exited with 1 \(Runt"):
         sup._check_stores()
-    sup.stores[0] = (sup.jobs[0], log, subprocess.Popen(["sleep", "30"]))
+    sleeper = subprocess.Popen(["sleep", "30"])
+    sup.stores[0] = (sup.jobs[0], log, 0, sleeper)
     sup._check_stores()  # serving: nothing to say
-    sup.stores[0][2].kill()
-    sup.stores[0][2].wait()
+    sleeper.kill()
+    sleeper.wait()
+    sup.stores[0] = (sup.jobs[0], log, log.stat().st_size, sleeper)  # a launch later
+    with pytest.raises(SpecError, match=r"exited with -9 \(no output"):
+        sup._check_stores()  # not the earlier launch's line
