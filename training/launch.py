@@ -356,7 +356,10 @@ class Supervisor:
         log_dir = self.run_dir / "logs"
         log_dir.mkdir(parents=True, exist_ok=True)
         env = worker_env(self.run_dir)
-        t0, started = time.monotonic(), time.time()
+        events = self.run_dir / "events.jsonl"
+        # this launch's events start here: a byte offset, not a wall-clock time, which a
+        # clock stepped back (NTP) would make hide this launch's bad-input events
+        t0, started = time.monotonic(), events.stat().st_size if events.exists() else 0
         here = {n.name for n in self.nodes}
         self.stores.clear()
         try:
@@ -384,7 +387,7 @@ class Supervisor:
         self,
         on_poll: Callable[[], None] | None,
         on_restart: Callable[[Attempt], None] | None,
-        since: float,
+        since: int,
     ) -> Attempt:
         while True:
             if on_poll:
@@ -486,13 +489,11 @@ class Supervisor:
         return out
 
 
-def _final(events: Path, nodes: list[NodeSpec], since: float) -> Attempt | None:
-    """A failure no restart can cure, recorded since `since` by a worker of `nodes`: bad
-    input (a `failed` event with exit code 2) or a hostile reject (its peers may have
-    exited first, with a plain collective error)."""
-    for e in _events(events):
-        if float(str(e.get("t", 0))) < since:
-            continue
+def _final(events: Path, nodes: list[NodeSpec], since: int) -> Attempt | None:
+    """A failure no restart can cure, recorded past byte `since` of the event log (this
+    launch's) by a worker of `nodes`: bad input (a `failed` event with exit code 2) or a
+    hostile reject (its peers may have exited first, with a plain collective error)."""
+    for e in _events(events, since):
         hostile = e.get("event") == "rejected" and e.get("kind") == "hostile"
         bad_input = e.get("event") == "failed" and e.get("exit_code") == 2
         if not (hostile or bad_input):
@@ -512,12 +513,14 @@ def _worker(rank: int, nodes: list[NodeSpec], e: dict[str, object]) -> str | Non
     return None
 
 
-def _events(path: Path) -> list[dict[str, object]]:
+def _events(path: Path, since: int = 0) -> list[dict[str, object]]:
+    """The log's events past byte `since` (all of them if it shrank: replaced or cut)."""
     out = []
     try:
-        lines = path.read_bytes().splitlines()
+        data = path.read_bytes()
     except FileNotFoundError:
         return []
+    lines = (data[since:] if len(data) >= since else data).splitlines()
     for line in lines:
         with contextlib.suppress(ValueError):
             e = json.loads(line)

@@ -146,3 +146,27 @@ def test_a_rendezvous_store_that_exits_fails_the_launch_at_once_with_its_last_li
     sup.stores[0] = (sup.jobs[0], log, log.stat().st_size, sleeper)  # a launch later
     with pytest.raises(SpecError, match=r"exited with -9 \(no output"):
         sup._check_stores()  # not the earlier launch's line
+
+
+def test_this_launchs_bad_input_counts_by_log_position_not_by_clock(tmp_path: Path) -> None:
+    """A clock stepped back (NTP) gives this launch's events earlier times than its start:
+    they must still stop the restarts; an earlier launch's must not."""
+    import json
+
+    spec = make_spec(2, 1)
+    nodes = [n for r in spec.regions for n in r.nodes]
+    log = tmp_path / "events.jsonl"
+
+    def failed(t: float) -> str:
+        e = {"event": "failed", "exit_code": 2, "rank": 1, "t": t, "region": "r1"}
+        return json.dumps(e) + "\n"
+
+    log.write_text(failed(2000.0))  # the launch before, at a later wall-clock time
+    since = log.stat().st_size
+    assert launch._final(log, nodes, since) is None
+    with open(log, "a") as f:
+        f.write(failed(1000.0))  # this launch, after the clock went back
+    end = launch._final(log, nodes, since)
+    assert end is not None and end.rc == 2 and end.failed == f"{nodes[1].name}/0"
+    log.write_text(failed(5.0))  # the log replaced (shorter than the offset): all of it
+    assert launch._final(log, nodes, since) is not None
