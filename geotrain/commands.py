@@ -38,7 +38,7 @@ def prepare_local_run(model: StackModel, fresh: bool) -> tuple[LaunchSpec, Path,
     from infra.model.checks import SINGLE_MACHINE_KINDS
     from infra.plan import build_plan
     from infra.render import render_launch_spec
-    from training.checkpoint import OWNER, claim, remove_checkpoints
+    from training.checkpoint import has_steps, remove_checkpoints
     from training.errors import KeyFileError
     from training.keys import create_key_file
     from training.spec import node_root, record_path
@@ -70,15 +70,12 @@ def prepare_local_run(model: StackModel, fresh: bool) -> tuple[LaunchSpec, Path,
     if fresh:  # every node's root (the dir may hold {node} or {region}): only the
         # checkpointers' files go, whatever else the root holds stays; and the nodes'
         # high-water records, or a root left with other files would read as a rollback
-        for root in roots.values():  # every root first: all go, or none
-            if (root / OWNER).exists():
-                claim(root, spec.stack)
-        for node, root in roots.items():
-            remove_checkpoints(root, spec.stack)
+        remove_checkpoints(roots.values(), spec.stack)  # every root checked first
+        for node in roots:
             record_path(run_dir, node).unlink(missing_ok=True)
     key = Path(spec.key_file)
     if not key.exists() and not key.is_symlink():
-        kept = sorted({str(root) for root in roots.values() if _has_steps(root)})
+        kept = sorted({str(root) for root in roots.values() if has_steps(root)})
         if kept:  # a new key would verify none of them: training would start over
             raise KeyFileError(
                 f"the run key {key} is gone but checkpoints signed with it remain in "
@@ -93,11 +90,6 @@ def prepare_local_run(model: StackModel, fresh: bool) -> tuple[LaunchSpec, Path,
     create_key_file(Path(spec.key_file))
     (run_dir / "events.jsonl").unlink(missing_ok=True)
     return spec, spec_path, run_dir
-
-
-def _has_steps(root: Path) -> bool:
-    """Whether `root` holds a checkpoint step directory (step-N/)."""
-    return any(p.is_dir() and p.name[5:].isdigit() for p in root.glob("step-*"))
 
 
 @click.command()

@@ -63,7 +63,7 @@ import shutil
 import socket
 import threading
 import time
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -128,37 +128,48 @@ def claim(root: Path, stack: str) -> None:
         )
 
 
-def remove_checkpoints(root: Path, stack: str) -> list[Path]:
-    """`geotrain train --fresh`: delete what checkpointers wrote under `root` (its step-N/
-    and quarantine/ directories, high-water records, write probes, the STACK mark), then
-    `root` itself if that left it empty. Anything else there is the user's and stays, so
-    a root set to a directory that holds other files (the launch directory, a home) loses
-    none of them. A root another stack marked is refused, untouched (`claim`). Returns
-    what was deleted."""
-    if not root.is_dir():
-        return []
-    if (root / OWNER).exists():
-        claim(root, stack)  # raises for another stack's root
+def is_step_dir(path: Path) -> bool:
+    """Whether `path` is a checkpoint step directory, `<root>/step-N`."""
+    digits = path.name[len(PREFIX) :]
+    return path.name.startswith(PREFIX) and digits.isdigit() and path.is_dir()
+
+
+def has_steps(root: Path) -> bool:
+    """Whether `root` holds a checkpoint step directory."""
+    return root.is_dir() and any(map(is_step_dir, root.iterdir()))
+
+
+def remove_checkpoints(roots: Iterable[Path], stack: str) -> list[Path]:
+    """`geotrain train --fresh`: delete what checkpointers wrote under each of `roots`
+    (step-N/ and quarantine/ directories, high-water records, write probes, the STACK
+    mark), then the root itself if that left it empty. Anything else there is the user's
+    and stays, so a root set to a directory that holds other files (the launch directory,
+    a home) loses none of them. Every root is checked before any is touched: if another
+    stack marked one (`claim`), that raises and nothing is deleted. Returns what was
+    deleted."""
+    kept = [r for r in dict.fromkeys(roots) if r.is_dir()]  # nodes may share a root
+    for root in kept:  # all, or none
+        if (root / OWNER).exists():
+            claim(root, stack)  # raises for another stack's root
     gone = []
-    for p in sorted(root.iterdir()):
-        ours_dir = p.name == QUARANTINE or (
-            p.name.startswith(PREFIX) and p.name[len(PREFIX) :].isdigit()
-        )
-        ours_file = (
-            (p.name.startswith("high-water-") and p.name.endswith(".json"))
-            or p.name.startswith(".write-probe-")
-            or p.name == OWNER
-            or (p.name.startswith(f".{OWNER}.") and p.name.endswith(".tmp"))
-        )
-        if ours_dir and p.is_dir() and not p.is_symlink():
-            shutil.rmtree(p)
-        elif ours_file and (p.is_file() or p.is_symlink()):
-            p.unlink()
-        else:
-            continue
-        gone.append(p)
-    with contextlib.suppress(OSError):  # not empty: the user's files stay with it
-        root.rmdir()
+    for root in kept:
+        for p in sorted(root.iterdir()):
+            ours_dir = p.name == QUARANTINE or is_step_dir(p)
+            ours_file = (
+                (p.name.startswith("high-water-") and p.name.endswith(".json"))
+                or p.name.startswith(".write-probe-")
+                or p.name == OWNER
+                or (p.name.startswith(f".{OWNER}.") and p.name.endswith(".tmp"))
+            )
+            if ours_dir and p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p)
+            elif ours_file and (p.is_file() or p.is_symlink()):
+                p.unlink()
+            else:
+                continue
+            gone.append(p)
+        with contextlib.suppress(OSError):  # not empty: the user's files stay with it
+            root.rmdir()
     return gone
 
 
@@ -452,9 +463,8 @@ class Checkpointer:
             return []
         steps = []
         for p in self.root.iterdir():
-            digits = p.name[len(PREFIX) :]
-            if p.name.startswith(PREFIX) and digits.isdigit() and (p / self.node).is_dir():
-                steps.append(int(digits))
+            if is_step_dir(p) and (p / self.node).is_dir():
+                steps.append(step_of(p))
         return sorted(steps)
 
     def _committed(self) -> list[int]:

@@ -409,7 +409,7 @@ def test_fresh_deletes_only_what_checkpointers_wrote(tmp_path: Path) -> None:
     for name, text in mine.items():
         (root / name).parent.mkdir(parents=True, exist_ok=True)
         (root / name).write_text(text)
-    gone = remove_checkpoints(root, "local")
+    gone = remove_checkpoints([root], "local")
     assert {p.name for p in gone} == {
         "step-10",
         "step-20",
@@ -427,8 +427,8 @@ def test_fresh_deletes_only_what_checkpointers_wrote(tmp_path: Path) -> None:
     ]
     only = tmp_path / "only"  # a root of checkpoints alone goes with them
     (only / "step-1" / "bj-0").mkdir(parents=True)
-    remove_checkpoints(only, "local")
-    assert not only.exists() and remove_checkpoints(tmp_path / "never", "local") == []
+    remove_checkpoints([only], "local")
+    assert not only.exists() and remove_checkpoints([tmp_path / "never"], "local") == []
 
 
 def test_a_root_of_another_stack_is_refused_and_fresh_leaves_it_whole(tmp_path: Path) -> None:
@@ -441,11 +441,18 @@ def test_a_root_of_another_stack_is_refused_and_fresh_leaves_it_whole(tmp_path: 
     assert (root / OWNER).read_text() == "a\n"
     before = sorted(p.relative_to(root) for p in root.rglob("*"))
     with pytest.raises(CheckpointError, match=r"holds stack a's checkpoints .*its own"):
-        remove_checkpoints(root, "b")
+        remove_checkpoints([root], "b")
     assert "holds stack a's" in run_world(_claimed, 1, str(root), "b")[0]
     assert sorted(p.relative_to(root) for p in root.rglob("*")) == before
-    claim(root, "a")  # the same stack: its runs share the root
-    assert remove_checkpoints(root, "a") and not root.exists()
+    mine = tmp_path / "mine"  # several roots: all are checked before any is touched
+    (mine / "step-1" / "n0").mkdir(parents=True)
+    with pytest.raises(CheckpointError, match="holds stack a's"):
+        remove_checkpoints([mine, root], "b")
+    assert (mine / "step-1" / "n0").is_dir()
+    assert sorted(p.relative_to(root) for p in root.rglob("*")) == before
+    claim(root, "a")  # the same stack: its runs share the root (nodes may share it too)
+    assert remove_checkpoints([root, mine, root], "a") and not root.exists()
+    assert not mine.exists()
 
 
 def _claimed(rank: int, world: int, root: str, stack: str) -> str:
