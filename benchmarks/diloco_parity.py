@@ -603,6 +603,15 @@ BOUGHT = (
 
 
 def bought(results: dict[str, dict[str, Any]]) -> str:
+    """The table of what each technique bought, over the pairs of BOUGHT measured in
+    `results`; empty when none is (a run of a few rows)."""
+    rows = []
+    for what, a, b in BOUGHT:
+        if a in results and b in results:
+            ga, gb = _gap(results, a), _gap(results, b)
+            rows.append(f"| {what} | {ga:+.2f}% | {gb:+.2f}% | {gb - ga:+.2f} |")
+    if not rows:
+        return ""
     lines = [
         "",
         "What each technique bought (eval gap to the matching allreduce, in points; "
@@ -610,11 +619,8 @@ def bought(results: dict[str, dict[str, Any]]) -> str:
         "",
         "| technique | without | with | change |",
         "|---|---|---|---|",
+        *rows,
     ]
-    for what, a, b in BOUGHT:
-        if a in results and b in results:
-            ga, gb = _gap(results, a), _gap(results, b)
-            lines.append(f"| {what} | {ga:+.2f}% | {gb:+.2f}% | {gb - ga:+.2f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -967,12 +973,15 @@ def spread(
         v = [g[s] for s in seeds]
         cells = " | ".join(f"{x:+.2f}%" for x in v)
         lines.append(f"| {name} | {cells} | {sum(v) / len(v):+.2f}% | {max(v) - min(v):.2f} |")
-    lines += ["", f"| technique | {cols} | mean change |", "|---|" + "---|" * (len(seeds) + 1)]
+    changes = []
     for what, a, b in SPREAD:
         if a in gaps and b in gaps:
             d = [gaps[b][s] - gaps[a][s] for s in seeds]
             cells = " | ".join(f"{x:+.2f}" for x in d)
-            lines.append(f"| {what} | {cells} | {sum(d) / len(d):+.2f} |")
+            changes.append(f"| {what} | {cells} | {sum(d) / len(d):+.2f} |")
+    if changes:  # only when a pair of SPREAD was measured
+        lines += ["", f"| technique | {cols} | mean change |", "|---|" + "---|" * (len(seeds) + 1)]
+        lines += changes
     out = "\n".join(lines) + "\n"
     print(out)
     RESULTS.mkdir(exist_ok=True)
