@@ -20,11 +20,12 @@ compute (`compute_s`), cross-region sync (`sync_s`) and the rest of the wall tim
 in-region all-reduce, the step report, checkpoint, the time between steps).
 
 Run: sudo .venv/bin/python benchmarks/lab_utilisation.py [--steps 150] [--allreduce-steps
-20] [--ranks-per-region 2] [--batch N] [--only MODE ...]. Prints a table and writes it as
-its ranks-per-region table of the "Compute utilisation" section of
-benchmarks/results/lab_network.md; the other ranks-per-region table there and the rest of
-that file (benchmarks/lab_network.py) are kept. With --only the chosen modes run and the
-table is printed, not saved.
+20] [--ranks-per-region 2] [--batch N] [--cpu-per-region CORES] [--only MODE ...]. Prints
+a table and writes it into the "Compute utilisation" section of
+benchmarks/results/lab_network.md as the table of its settings (ranks per region, batch,
+CPU caps, steps when not the default): a rerun replaces its own table, the other tables
+there and the rest of that file (benchmarks/lab_network.py) are kept. With --only the
+chosen modes run and the table is printed, not saved.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "lab_network.md"
 SECTION = "## Compute utilisation"
-SUBSECTION = "### 3 regions x "  # one table per ranks per region, each kept across runs
+SUBSECTION = "### 3 regions x "  # one table per settings, each kept across runs
 DEFAULT_STEPS, DEFAULT_ALLREDUCE_STEPS = 150, 20
 MIN_STEPS = 100
 """Two rounds at H = 50 for every mode."""
@@ -446,6 +447,7 @@ def main() -> None:
         f"{n} rank{'s' if n > 1 else ''} per region"
         + (f", batch {a.batch}" if a.batch is not None else "")
         + (f", {a.cpu_per_region:g} cores per region" if a.cpu_per_region else "")
+        + (f", {a.steps} steps" if a.steps != DEFAULT_STEPS else "")
     )
     lowered = (a.steps, a.allreduce_steps) != (DEFAULT_STEPS, DEFAULT_ALLREDUCE_STEPS)
     sub = "\n".join(
