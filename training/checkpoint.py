@@ -147,29 +147,33 @@ def remove_checkpoints(roots: Iterable[Path], stack: str) -> list[Path]:
     a home) loses none of them. Every root is checked before any is touched: if another
     stack marked one (`claim`), that raises and nothing is deleted. Returns what was
     deleted."""
-    kept = [r for r in dict.fromkeys(roots) if r.is_dir()]  # nodes may share a root
-    for root in kept:  # all, or none
+    present = [r for r in dict.fromkeys(roots) if r.is_dir()]  # nodes may share a root
+    for root in present:  # all, or none
         if (root / OWNER).exists():
             claim(root, stack)  # raises for another stack's root
+    return [p for root in present for p in _remove_ours(root)]
+
+
+def _remove_ours(root: Path) -> list[Path]:
+    """`remove_checkpoints` for one root, already checked: what it deleted."""
     gone = []
-    for root in kept:
-        for p in sorted(root.iterdir()):
-            ours_dir = p.name == QUARANTINE or is_step_dir(p)
-            ours_file = (
-                (p.name.startswith("high-water-") and p.name.endswith(".json"))
-                or p.name.startswith(".write-probe-")
-                or p.name == OWNER
-                or (p.name.startswith(f".{OWNER}.") and p.name.endswith(".tmp"))
-            )
-            if ours_dir and p.is_dir() and not p.is_symlink():
-                shutil.rmtree(p)
-            elif ours_file and (p.is_file() or p.is_symlink()):
-                p.unlink()
-            else:
-                continue
-            gone.append(p)
-        with contextlib.suppress(OSError):  # not empty: the user's files stay with it
-            root.rmdir()
+    for p in sorted(root.iterdir()):
+        ours_dir = p.name == QUARANTINE or is_step_dir(p)
+        ours_file = (
+            (p.name.startswith("high-water-") and p.name.endswith(".json"))
+            or p.name.startswith(".write-probe-")
+            or p.name == OWNER
+            or (p.name.startswith(f".{OWNER}.") and p.name.endswith(".tmp"))
+        )
+        if ours_dir and p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p)
+        elif ours_file and (p.is_file() or p.is_symlink()):
+            p.unlink()
+        else:
+            continue
+        gone.append(p)
+    with contextlib.suppress(OSError):  # not empty: the user's files stay with it
+        root.rmdir()
     return gone
 
 
