@@ -14,13 +14,15 @@ from infra.components.monitoring import Monitoring, MonitoringArgs
 from infra.components.network import Overlay, OverlayArgs, Routing, RoutingArgs
 from infra.components.pool import RegionPool, RegionPoolArgs
 from infra.components.training import TrainingDeployment, TrainingDeploymentArgs
+from infra.model.pulumi_config import secret
 from infra.model.schema import StackModel
 from infra.plan import build_plan
 
 
 def program(model: StackModel) -> dict[str, Any]:
     """Wire the components for `model`; export and return the stack outputs."""
-    ctx = BackendContext(build_plan(model))
+    # backends read secret config through ctx.secret: the engine's reader, passed in here
+    ctx = BackendContext(build_plan(model), secret=secret)
     pools = [RegionPool(f"{r.name}-pool", RegionPoolArgs(ctx, r)) for r in ctx.plan.regions]
     overlay = Overlay("overlay", OverlayArgs(ctx), pulumi.ResourceOptions(depends_on=pools))
     routing = Routing("routing", RoutingArgs(ctx, overlay))

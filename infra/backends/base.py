@@ -10,11 +10,13 @@
   backends: the host agent with the node's bundle);
 - shaping: tc on the tunnels, rendered into the WireGuard configs (Tunnel.shape_mbps),
   so it needs no method of its own.
+
+The protocol imports no backend: the kind -> backend table is `registry.py`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -59,6 +61,9 @@ class BackendContext:
     the stack use their `address`."""
     grafana_password: pulumi.Output[str] | None = None
     """Grafana's admin password when the engine made it (a secret stack output)."""
+    secret: Callable[[str], pulumi.Output[str] | None] = lambda _key: None
+    """Reads a secret config key such as `geotrain:sshPrivateKey` (None when unset); the
+    program passes the engine's reader, so backends and components never read config."""
 
 
 class Backend(Protocol):
@@ -100,30 +105,3 @@ class Backend(Protocol):
     ) -> list[pulumi.Resource]:
         """Put the spec, the run key and the rest on the region's nodes; start workers."""
         ...
-
-
-def backend_for(region: PlanRegion) -> Backend:
-    import importlib
-
-    from infra.backends import kubernetes, lab, local, ssh
-
-    table: dict[str, Backend] = {
-        "local": local.LocalBackend(),
-        "lab": lab.LabBackend(),
-        "ssh": ssh.SshBackend(),
-        "kubernetes": kubernetes.KubernetesBackend(),
-    }
-    if region.kind in ("aws", "alicloud", "gcp"):
-        # imported only by stacks that use them: each cloud SDK takes ~1 s to import
-        module = importlib.import_module(f"infra.backends.{region.kind}")
-        backend: Backend = module.backend()
-        return backend
-    return table[region.kind]
-
-
-def backends_of(regions: Iterable[PlanRegion]) -> list[tuple[Backend, list[PlanRegion]]]:
-    """The stack's backends, each with its regions, in region order."""
-    out: dict[str, tuple[Backend, list[PlanRegion]]] = {}
-    for r in regions:
-        out.setdefault(r.kind, (backend_for(r), []))[1].append(r)
-    return list(out.values())

@@ -26,7 +26,6 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
 from infra.backends.base import BackendContext, Parent
-from infra.model.pulumi_config import secret
 from infra.plan import Plan, PlanRegion
 from infra.render import k8s as render
 from training.errors import ConfigError
@@ -81,7 +80,7 @@ def kubeconfig(ctx: BackendContext, region: PlanRegion) -> pulumi.Output[str]:
     """The region's kubeconfig: its secret, or a clear error under the engine (a
     Provider without one would use the ambient kubeconfig, maybe another cluster)."""
     k = render.settings(ctx.plan, region)
-    value = secret(k.kubeconfig_config)
+    value = ctx.secret(k.kubeconfig_config)
     if value is not None:
         return value
     fix = (

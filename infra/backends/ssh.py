@@ -26,7 +26,6 @@ from pulumi_command import remote
 
 from infra.backends.base import BackendContext, Parent
 from infra.components.targets import node_target
-from infra.model.pulumi_config import secret
 from infra.plan import PlanNode, PlanRegion
 from infra.render.bundle import REPO_ROOT, render_bundle, runtime_wheel
 from infra.render.host import ROLES
@@ -66,7 +65,8 @@ class SshBackend:
     role = ROLES["ssh"]
 
     def connection(self, ctx: BackendContext, node: PlanNode) -> Any:
-        conn = node_target(ctx.plan, node).connection
+        key_config = ctx.plan.region(node.region).pool.ssh.private_key_config
+        conn = node_target(ctx.plan, node, ctx.secret(key_config)).connection
         if conn is not None and node.name in ctx.addresses:  # known once deployed (clouds)
             conn.host = ctx.addresses[node.name]
             # a new instance takes minutes to boot and run cloud-init before sshd lets the
@@ -204,7 +204,7 @@ def secret_file_values(
     out: dict[str, pulumi.Output[str]] = {}
     for f in wanted:
         key = keys[f.path]
-        value = secret(key)
+        value = ctx.secret(key)
         if value is None and f.path.endswith("/admin-password"):
             generated = random.RandomPassword(
                 f"{parent.name}-grafana-admin-password",

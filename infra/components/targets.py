@@ -1,4 +1,7 @@
-"""How each node is reached by the components: a `Target` per node from the plan."""
+"""How each node is reached by the components: a `Target` per node from the plan.
+
+The ssh private key comes in as an argument (the program reads secret config, nothing
+below it does)."""
 
 from __future__ import annotations
 
@@ -8,15 +11,15 @@ import pulumi
 from pulumi_command import remote
 
 from infra.components.delivery import Target
-from infra.model.pulumi_config import secret
 from infra.plan import Plan, PlanNode
 
 
-def node_target(plan: Plan, node: PlanNode) -> Target:
+def node_target(plan: Plan, node: PlanNode, key: pulumi.Input[str] | None) -> Target:
+    """`key`: the ssh private key (secret config `pool.ssh.private_key_config`); None
+    when unset, which previews allow."""
     if node.kind in ("local", "lab"):
         return Target(connection=None)
     pool = plan.region(node.region).pool
-    key = secret(pool.ssh.private_key_config)
     if key is None:
         _warn_unset(pool.ssh.private_key_config)
     conn = remote.ConnectionArgs(
