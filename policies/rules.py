@@ -24,7 +24,7 @@ from pulumi_policy import (
 )
 
 from infra import tokens
-from infra.model.checks import reachable
+from infra.model.checks.network import reachable
 from infra.model.clouds import instance_type_gpus, taggable_types
 from infra.model.gpus import GPU_TYPES
 from infra.model.schema import Policy

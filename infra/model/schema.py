@@ -22,8 +22,8 @@ from pydantic import (
 )
 
 from infra.model.fault_tolerance import FaultTolerance
+from infra.model.names import NAME_PATTERN
 
-NAME_PATTERN = r"^[a-z][a-z0-9-]{0,30}[a-z0-9]$"
 Jurisdiction = Literal["CN", "EU", "US", "UK", "JP", "KR", "SG", "IN", "CA", "AU", "BR", "CH"]
 PoolKind = Literal["local", "lab", "ssh", "kubernetes", "aws", "alicloud", "gcp"]
 SyncMode = Literal["allreduce", "diloco"]
@@ -572,3 +572,16 @@ class StackModel(Strict):
             if r.name == name:
                 return r
         raise KeyError(name)
+
+    def lighthouse_node(self) -> tuple[int, int]:
+        """(region index, node index) the fault-tolerance Lighthouse runs on: the named
+        region's first node, or the named node; KeyError when it names neither."""
+        ft = self.training.fault_tolerance
+        assert ft is not None
+        for i, r in enumerate(self.regions):
+            if r.name == ft.lighthouse:
+                return i, 0
+            for j, n in enumerate(r.pool.nodes):
+                if n.name == ft.lighthouse:
+                    return i, j
+        raise KeyError(ft.lighthouse)

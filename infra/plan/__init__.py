@@ -14,8 +14,8 @@ from typing import NamedTuple
 
 from infra.model.clouds import CLOUD_GATEWAY_HOST, CLOUD_KINDS
 from infra.model.gpus import GPU_TYPES
+from infra.model.names import GATEWAY_HOST_INDEX, WORKER_HOST_OFFSET, ifname, lab_netns
 from infra.model.schema import Link, Monitoring, Network, Policy, Pool, StackModel, Training
-from infra.plan.names import GATEWAY_HOST_INDEX, WORKER_HOST_OFFSET, ifname, lab_netns
 from training.spec import Device
 
 
@@ -256,7 +256,7 @@ def _tunnels(m: StackModel, regions: list[PlanRegion]) -> tuple[Tunnel, ...]:
         ra: str | None = None
         rb: str | None = None
         if relay:
-            assert cable_a is not None and cable_b is not None  # checks.py: room for both
+            assert cable_a is not None and cable_b is not None  # checks: room for both
             ha, hb = list(cable_a.hosts()), list(cable_b.hosts())
             ua, ub, ra, rb = str(ha[0]), str(hb[1]), str(ha[1]), str(hb[0])
         else:
@@ -298,7 +298,7 @@ def _underlay(
 ) -> tuple[str, str]:
     kind = regions[link.a].kind
     if kind == "lab":
-        assert net30 is not None  # checks.py bounds links by transfer_cidr; underlay is larger
+        assert net30 is not None  # the checks bound links by transfer_cidr; underlay is larger
         hosts = list(net30.hosts())
         return str(hosts[0]), str(hosts[1])
     a, b = regions[link.a], regions[link.b]
@@ -308,7 +308,7 @@ def _underlay(
 
 
 def _peered(a: PlanRegion, b: PlanRegion) -> bool:
-    """Two regions of the same cloud that both ask for native peering (checks.py allows it
+    """Two regions of the same cloud that both ask for native peering (the checks allow it
     on aws and alicloud only): their gateways reach each other on private addresses."""
     cloud = a.kind in CLOUD_KINDS and a.kind == b.kind
     return cloud and a.pool.cloud.peering and b.pool.cloud.peering

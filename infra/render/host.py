@@ -22,6 +22,7 @@ from geotrain.agent.hostspec import (
     TunnelSpec,
     UnitSpec,
 )
+from infra.model.paths import ETC, FIREWALL_PATH, REMOTE_SPEC_PATH
 from infra.plan import Plan, PlanNode
 from infra.render.monitoring import (
     GRAFANA_DASHBOARDS,
@@ -33,7 +34,6 @@ from infra.render.network import render_frr, render_sysctl, render_wireguard, un
 from infra.render.packages import HostService, host_services
 from infra.render.runtime import (
     REMOTE_RUN_DIR,
-    REMOTE_SPEC_PATH,
     REMOTE_STATE_DIR,
     SERVICE_USER,
     render_launch_spec,
@@ -41,8 +41,6 @@ from infra.render.runtime import (
 )
 from training.spec import node_root
 
-ETC = "/etc/geotrain"
-FIREWALL_PATH = f"{ETC}/firewall.nft"
 FIREWALL_UNIT = "geotrain-firewall.service"
 WORKER_UNIT = "geotrain-worker.service"
 BASE_PACKAGES = ("iproute2", "nftables", "python3-venv")

@@ -36,14 +36,15 @@ from dataclasses import dataclass
 from typing import Any
 
 import yaml
+from training.torchrun import ON_DONE_ENV, REGION_ENV, RUN_DIR, SPEC_DIR, SPEC_PATH, WORKDIR
 
+from infra.model.paths import GATEWAY_DIR, WG_KEY_DIR
 from infra.model.schema import KubernetesSettings
 from infra.plan import Plan, PlanRegion
 from infra.render.monitoring import DCGM_JOB, RUNTIME_JOB, render_alert_rules, render_dashboard
-from infra.render.network import WG_KEY_DIR, frr_daemons, render_frr, render_wireguard
+from infra.render.network import frr_daemons, render_frr, render_wireguard
 from infra.render.runtime import render_launch_spec
 from training.spec import LaunchSpec
-from training.torchrun import ON_DONE_ENV, REGION_ENV, RUN_DIR, SPEC_DIR, SPEC_PATH, WORKDIR
 
 K8S_VERSIONS = ("1.30", "1.31", "1.32", "1.33", "1.34", "1.35", "1.36", "1.37")
 """Kubernetes versions every manifest is validated against (kubernetes-validate --strict)."""
@@ -51,7 +52,6 @@ TRANSPORT = "wireguard"
 """What carries traffic between regions: WireGuard between the regions' gateway pods."""
 WORKER_COMMAND = ["python", "-m", "training.torchrun", "--spec", SPEC_PATH]
 """The worker container's command: the Dockerfile's CMD (target runtime)."""
-GATEWAY_DIR = "/etc/geotrain/gateway"
 GATEWAY_COMMAND = ["/bin/sh", f"{GATEWAY_DIR}/gateway.sh"]
 """The gateway container's command: the Dockerfile's CMD (target gateway)."""
 ROUTES_COMMAND = ["/bin/sh", f"{GATEWAY_DIR}/routes.sh"]

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from infra.model.paths import WG_KEY_DIR
 from infra.plan import Plan, Tunnel
 
-WG_KEY_DIR = "/etc/geotrain/wireguard"
-"""Private keys live here on the gateway; generated there, never rendered or exported."""
 BFD_PROFILE = "geotrain"
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TypeGuard
 
 from geotrain.agent.hostspec import MANIFEST_FILE
-from infra.model.schema import NAME_PATTERN
+from infra.model.names import NAME_PATTERN
 from infra.render.artifacts import Artifact
 from infra.render.bundle import Bundle
 

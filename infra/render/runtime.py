@@ -3,7 +3,7 @@ manifests: infra/render/k8s.py)."""
 
 from __future__ import annotations
 
-from infra.model.fault_tolerance import lighthouse_node
+from infra.model.paths import REMOTE_SPEC_PATH
 from infra.model.schema import Adaptive, Privacy
 from infra.plan import Plan, PlanNode
 from training.spec import (
@@ -19,7 +19,6 @@ from training.spec import (
     ShardSpec,
 )
 
-REMOTE_SPEC_PATH = "/etc/geotrain/launch-spec.json"
 REMOTE_VENV = "/opt/geotrain/.venv"
 REMOTE_STATE_DIR = "/var/lib/geotrain"
 """The workers' working directory on hosts: relative paths of the spec resolve here."""
@@ -116,7 +115,7 @@ def _fault_tolerance(plan: Plan) -> FaultToleranceSpec | None:
     ft = plan.model.training.fault_tolerance
     if ft is None:
         return None
-    i, j = lighthouse_node(plan.model)
+    i, j = plan.model.lighthouse_node()
     host = plan.regions[i].nodes[j].private_ip
     return FaultToleranceSpec(
         lighthouse=f"{host}:{ft.port}",
