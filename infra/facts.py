@@ -15,7 +15,7 @@ from training.spec import listeners
 
 
 def tags(plan: Plan, jurisdiction: str | None = None) -> dict[str, str]:
-    t = dict(plan.model.tags)
+    t = dict(plan.tags)
     if jurisdiction:
         t["jurisdiction"] = jurisdiction
     return t
@@ -112,7 +112,7 @@ def routing_facts(plan: Plan) -> dict[str, Any]:
 
 
 def monitoring_facts(plan: Plan) -> dict[str, Any]:
-    mon = plan.model.monitoring
+    mon = plan.monitoring
     host = plan.monitoring_host.private_ip
     endpoints = [
         {"service": "prometheus", "bind": host, "port": mon.prometheus_port},
@@ -125,7 +125,6 @@ def monitoring_facts(plan: Plan) -> dict[str, Any]:
 
 def training_facts(plan: Plan) -> dict[str, Any]:
     spec = worker_spec(plan)
-    m = plan.model
     return {
         "sync": spec.sync,
         "cipher": spec.codec.cipher,
@@ -140,7 +139,7 @@ def training_facts(plan: Plan) -> dict[str, Any]:
         },
         "shards": [
             {"name": s.name, "jurisdiction": s.jurisdiction, "region": s.region}
-            for s in m.training.data_shards
+            for s in plan.training.data_shards
         ],
         # what the runtime sends across borders; raw data never is
         "cross_region_flows": ["pseudo-gradients" if spec.sync == "diloco" else "gradients"],

@@ -2,6 +2,10 @@
 
 Everything derived lives here once, so renderers, components and the lab agree on every
 address and port. No I/O, no pulumi.
+
+Renderers read the plan only: the validated settings sections it carries keep their model
+types, which this module names for them (`from infra.plan import KubernetesSettings`), so
+no renderer imports the model.
 """
 
 from __future__ import annotations
@@ -15,8 +19,38 @@ from typing import NamedTuple
 from infra.model.clouds import CLOUD_GATEWAY_HOST, CLOUD_KINDS
 from infra.model.gpus import GPU_TYPES
 from infra.model.names import GATEWAY_HOST_INDEX, WORKER_HOST_OFFSET, ifname, lab_netns
-from infra.model.schema import Link, Monitoring, Network, Policy, Pool, StackModel, Training
+from infra.model.schema import (
+    Adaptive,
+    CloudSettings,
+    KubernetesSettings,
+    Link,
+    Monitoring,
+    Network,
+    Policy,
+    Pool,
+    Privacy,
+    StackModel,
+    Training,
+)
 from training.spec import Device
+
+__all__ = [  # the plan, and the settings sections it carries (for renderers' annotations)
+    "Adaptive",
+    "CloudSettings",
+    "KubernetesSettings",
+    "Monitoring",
+    "Network",
+    "Plan",
+    "PlanNode",
+    "PlanRegion",
+    "Policy",
+    "Pool",
+    "Privacy",
+    "Training",
+    "Tunnel",
+    "TunnelEnd",
+    "build_plan",
+]
 
 
 @dataclass(frozen=True)
@@ -55,6 +89,8 @@ class PlanRegion:
     """BGP router id: the gateway's private IP."""
     pool: Pool
     """The pool's settings (ssh login, Kubernetes cluster, cloud)."""
+    privacy: Privacy | None = None
+    """The region's DP-SGD budget (None: no DP)."""
 
 
 @dataclass(frozen=True)
@@ -153,6 +189,8 @@ class Plan:
     """Guardrail settings."""
     tags: dict[str, str]
     """Tags on every resource."""
+    lighthouse: PlanNode | None = None
+    """The node the fault-tolerance Lighthouse runs on (None: fault tolerance is off)."""
 
     @property
     def nodes(self) -> tuple[PlanNode, ...]:
@@ -214,9 +252,14 @@ def build_plan(m: StackModel) -> Plan:
                 gateway=gateway,
                 router_id=str(subnet[gw_host]),
                 pool=r.pool,
+                privacy=r.privacy,
             )
         )
     tunnels = _tunnels(m, regions)
+    lighthouse = None
+    if m.training.fault_tolerance is not None:
+        i, j = m.lighthouse_node()
+        lighthouse = regions[i].nodes[j]
     first = regions[0].nodes[0]
     mon = m.monitoring.host
     mon_node = next((n for r in regions for n in r.nodes if n.name == mon), regions[0].gateway)
@@ -235,6 +278,7 @@ def build_plan(m: StackModel) -> Plan:
         monitoring=m.monitoring,
         policy=m.policy,
         tags=dict(m.tags),
+        lighthouse=lighthouse,
     )
 
 

@@ -42,7 +42,7 @@ def render_all(plan: Plan) -> list[Artifact]:
         if r.kind == "kubernetes":  # secrets as placeholders; kube-prometheus-stack objects
             docs = render_k8s(plan, r)
             out.append(Artifact(f"kubernetes/{r.name}.json", json.dumps(docs, indent=2) + "\n"))
-    if plan.model.monitoring.enabled and not kube:
+    if plan.monitoring.enabled and not kube:
         # Prometheus, its rules and their promtool tests, Alertmanager and Grafana on the
         # monitoring host; exporter settings on ssh nodes (host paths: monitoring_files)
         out += [Artifact(f.artifact, f.content, f.node) for f in monitoring_files(plan)]

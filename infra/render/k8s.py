@@ -39,8 +39,7 @@ import yaml
 from training.torchrun import ON_DONE_ENV, REGION_ENV, RUN_DIR, SPEC_DIR, SPEC_PATH, WORKDIR
 
 from infra.model.paths import GATEWAY_DIR, WG_KEY_DIR
-from infra.model.schema import KubernetesSettings
-from infra.plan import Plan, PlanRegion
+from infra.plan import KubernetesSettings, Plan, PlanRegion
 from infra.render.monitoring import DCGM_JOB, RUNTIME_JOB, render_alert_rules, render_dashboard
 from infra.render.network import frr_daemons, render_frr, render_wireguard
 from infra.render.runtime import render_launch_spec
@@ -75,7 +74,7 @@ OVERLAY_IF = "geotrain0"
 
 
 def settings(plan: Plan, region: PlanRegion) -> KubernetesSettings:
-    return plan.model.region(region.name).pool.kubernetes
+    return region.pool.kubernetes
 
 
 @dataclass(frozen=True)
@@ -154,7 +153,7 @@ def labels(plan: Plan, region: PlanRegion, component: str) -> dict[str, str]:
         "geotrain.io/region": region.name,
         "geotrain.io/jurisdiction": region.jurisdiction,
         "geotrain.io/stack": plan.stack,
-        **{f"geotrain.io/{k}": v for k, v in plan.model.tags.items()},
+        **{f"geotrain.io/{k}": v for k, v in plan.tags.items()},
     }
 
 
@@ -205,7 +204,7 @@ def pool_docs(plan: Plan, region: PlanRegion) -> list[dict[str, Any]]:
 
 def worker_ports(plan: Plan, region: PlanRegion, service: bool = False) -> list[dict[str, Any]]:
     """The rendezvous port and every rank's metrics port (local rank i: metrics_port + i)."""
-    mon = plan.model.monitoring
+    mon = plan.monitoring
     key = "port" if service else "containerPort"
     ports = [{"name": "rendezvous", key: plan.master_port, "protocol": "TCP"}]
     if mon.metrics_port:
@@ -221,7 +220,7 @@ def network_policy(plan: Plan, region: PlanRegion) -> dict[str, Any]:
     the gateway's address (the gateway rewrites every packet's source to it) on the
     rendezvous and gloo ports, and Prometheus on the metrics ports. They send only to
     their region, DNS, and the overlay (which only the gateway routes)."""
-    k, mon = settings(plan, region), plan.model.monitoring
+    k, mon = settings(plan, region), plan.monitoring
     own = {"podSelector": {"matchLabels": selector(region, "worker")}}
     ingress: list[dict[str, Any]] = [{"from": [own]}]
     egress: list[dict[str, Any]] = [
@@ -246,7 +245,7 @@ def network_policy(plan: Plan, region: PlanRegion) -> dict[str, Any]:
                 ],
             }
         )
-        egress.append({"to": [{"ipBlock": {"cidr": str(plan.model.network.overlay_cidr)}}]})
+        egress.append({"to": [{"ipBlock": {"cidr": str(plan.network.overlay_cidr)}}]})
     if mon.metrics_port:
         ingress.append(
             {
@@ -338,7 +337,7 @@ def pod_template(plan: Plan, region: PlanRegion, spec_cm: str, state: bool) -> d
     memory volume as a 0400 file of the worker's user (the kubelet adds group read to a
     Secret's files for fsGroup, which the runtime's owner-only check refuses); the worker
     mounts that file read-only where the spec's key_file points."""
-    k, mon = settings(plan, region), plan.model.monitoring
+    k, mon = settings(plan, region), plan.monitoring
     spec = pod_launch_spec(plan)
     image = f"{k.image}:{k.tag}"
     env = [
@@ -430,7 +429,7 @@ def statefulset(plan: Plan, region: PlanRegion, spec_cm: str) -> dict[str, Any]:
     }
     if k.storage_class:
         claim["storageClassName"] = k.storage_class
-    keep = "Retain" if plan.model.training.checkpoint.keep_on_destroy else "Delete"
+    keep = "Retain" if plan.training.checkpoint.keep_on_destroy else "Delete"
     return {
         "apiVersion": "apps/v1",
         "kind": "StatefulSet",
@@ -465,7 +464,7 @@ def jobset(plan: Plan, region: PlanRegion, spec_cm: str) -> dict[str, Any]:
                 "subdomain": n.service,
                 "publishNotReadyAddresses": True,
             },
-            "failurePolicy": {"maxRestarts": plan.model.training.max_restarts},
+            "failurePolicy": {"maxRestarts": plan.training.max_restarts},
             "successPolicy": {"operator": "All", "targetReplicatedJobs": [JOBSET_RJOB]},
             "replicatedJobs": [
                 {
@@ -532,7 +531,7 @@ def gateway_script(plan: Plan, region: PlanRegion) -> str:
     rendezvous forwarder. Everything is undone on SIGTERM."""
     k, me = settings(plan, region), region.router_id
     pod_cidr = str(k.pod_cidr) if k.pod_cidr else region.subnet
-    overlay = plan.model.network.overlay_cidr
+    overlay = plan.network.overlay_cidr
     inbound = "".join(
         f"  $IPT -t nat -A GEOTRAIN -s {r.subnet} -d {pod_cidr} -j SNAT --to-source {me}\n"
         for r in plan.regions
@@ -720,7 +719,7 @@ def gateway_config_name(plan: Plan, region: PlanRegion, files: Mapping[str, str]
 # -- monitoring -----------------------------------------------------------------------------
 def monitoring_docs(plan: Plan, region: PlanRegion) -> list[dict[str, Any]]:
     """kube-prometheus-stack objects: the stack's alert rules and dashboard, unchanged."""
-    k, n, mon = settings(plan, region), names(plan, region), plan.model.monitoring
+    k, n, mon = settings(plan, region), names(plan, region), plan.monitoring
     lab = {**labels(plan, region, "monitoring"), "release": k.monitoring_release}
     interval = f"{mon.scrape_interval_s}s"
     docs: list[dict[str, Any]] = []
@@ -819,7 +818,7 @@ def render_k8s(plan: Plan, region: PlanRegion) -> list[dict[str, Any]]:
         files = gateway_files(plan, region, {})
         name = gateway_config_name(plan, region, files)
         docs += gateway_docs(plan, region, files, name, WG_KEY_PLACEHOLDER)
-    if plan.model.monitoring.enabled:
+    if plan.monitoring.enabled:
         docs += monitoring_docs(plan, region)
     return docs + delivery_docs(plan, region, RUN_KEY_PLACEHOLDER)
 

@@ -4,8 +4,7 @@ manifests: infra/render/k8s.py)."""
 from __future__ import annotations
 
 from infra.model.paths import REMOTE_SPEC_PATH
-from infra.model.schema import Adaptive, Privacy
-from infra.plan import Plan, PlanNode
+from infra.plan import Adaptive, Plan, PlanNode, Privacy
 from training.spec import (
     AdaptiveSpec,
     CheckpointSpec,
@@ -28,8 +27,7 @@ SERVICE_USER = "geotrain"
 
 
 def render_launch_spec(plan: Plan) -> LaunchSpec:
-    m = plan.model
-    t = m.training
+    t = plan.training
     regions = [
         RegionSpec(
             name=r.name,
@@ -50,12 +48,12 @@ def render_launch_spec(plan: Plan) -> LaunchSpec:
                 for s in t.data_shards
                 if s.region == r.name
             ],
-            privacy=_privacy(m.region(r.name).privacy),
+            privacy=_privacy(r.privacy),
         )
         for r in plan.regions
     ]
     c = t.compression
-    mon = m.monitoring
+    mon = plan.monitoring
     return LaunchSpec(
         run_id=plan.run_id,
         stack=plan.stack,
@@ -112,11 +110,10 @@ def render_launch_spec(plan: Plan) -> LaunchSpec:
 
 def _fault_tolerance(plan: Plan) -> FaultToleranceSpec | None:
     """The Lighthouse advertised on its node's private address (never a hostname)."""
-    ft = plan.model.training.fault_tolerance
-    if ft is None:
+    ft = plan.training.fault_tolerance
+    if ft is None or plan.lighthouse is None:
         return None
-    i, j = plan.model.lighthouse_node()
-    host = plan.regions[i].nodes[j].private_ip
+    host = plan.lighthouse.private_ip
     return FaultToleranceSpec(
         lighthouse=f"{host}:{ft.port}",
         min_replicas=ft.replicas(len(plan.regions)),
@@ -155,7 +152,7 @@ def render_worker_unit(plan: Plan, node: PlanNode) -> str:
     max_restarts + 1 times an hour; exit 2 (bad input) is never restarted. The start-limit
     keys belong to [Unit] (systemd ignores them in [Service]). Relative paths of the spec
     (checkpoints, key) resolve against WorkingDirectory."""
-    restarts = plan.model.training.max_restarts
+    restarts = plan.training.max_restarts
     after = ["network-online.target", "geotrain-firewall.service"]
     if node.is_gateway:  # other regions are reachable once tunnels and BGP are up
         after += ["frr.service"] + [
