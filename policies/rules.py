@@ -24,10 +24,13 @@ from pulumi_policy import (
 )
 
 from infra import tokens
-from infra.model.checks.network import reachable
-from infra.model.clouds import instance_type_gpus, taggable_types
-from infra.model.gpus import GPU_TYPES
-from infra.model.schema import Policy
+from infra.guardrails import (
+    GPU_LIST_PRICES,
+    POLICY_DEFAULTS,
+    instance_type_gpus,
+    reachable,
+    taggable_types,
+)
 
 Report = Callable[[str, str | None], None]
 POOL, OVERLAY, ROUTING = tokens.POOL, tokens.OVERLAY, tokens.ROUTING
@@ -65,7 +68,7 @@ def config_from_policy_settings(p: Mapping[str, Any]) -> dict[str, dict[str, Any
     }
 
 
-DEFAULTS: dict[str, dict[str, Any]] = config_from_policy_settings(Policy().model_dump())
+DEFAULTS: dict[str, dict[str, Any]] = config_from_policy_settings(POLICY_DEFAULTS)
 """Used where the pack gets no config: the stack model's policy defaults, in one place."""
 
 
@@ -380,7 +383,7 @@ def _instance_type(args: ResourceValidationArgs, allowed: list[str] | None, repo
 # -- budget ---------------------------------------------------------------------------
 def budget_cap(args: StackValidationArgs, report: Report) -> None:
     cfg = _cfg("budget-cap", args)
-    prices = {g: t.usd_per_hour for g, t in GPU_TYPES.items()} | dict(cfg["gpuPrices"])
+    prices = GPU_LIST_PRICES | dict(cfg["gpuPrices"])
     nodes = [
         n for r in args.resources if r.resource_type == POOL for n in r.props["facts"]["nodes"]
     ]
