@@ -10,8 +10,6 @@ from infra.model.names import WORKER_HOST_OFFSET
 from infra.model.schema import StackModel
 
 GCP_LABEL_KEY = re.compile(r"^[a-z][a-z0-9_-]{0,62}$")
-
-
 GCP_LABEL_VALUE = re.compile(r"^[a-z0-9_-]{0,63}$")
 
 

@@ -11,15 +11,9 @@ from infra.model.schema import StackModel
 from training.errors import ConfigError
 
 K8S_WORKDIR = "/var/lib/geotrain"
-
 """training.torchrun.WORKDIR: a pod's volume; files elsewhere die with the container."""
-
-
 K8S_LABEL_MAX = 63
-
-
 K8S_RUN_SUFFIX = 11
-
 """The run id is `<stack>-<10 hex digits>`; it names the run in labels and files."""
 
 
@@ -27,11 +21,8 @@ QUALIFIED_NAME = re.compile(
     r"(?:[a-z0-9](?:[-a-z0-9]*[a-z0-9])?(?:\.[a-z0-9](?:[-a-z0-9]*[a-z0-9])?)*/)?"
     r"[A-Za-z0-9](?:[-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?"
 )
-
 """A Kubernetes label key, taint key or extended resource name: an optional DNS prefix and
 '/', then a name of at most 63 characters."""
-
-
 DNS_SUBDOMAIN = re.compile(r"[a-z0-9](?:[-a-z0-9.]{0,251}[a-z0-9])?")
 
 

@@ -160,5 +160,4 @@ def _alert_receivers(m: StackModel, source: str) -> None:
 
 
 EMAIL = re.compile(r"[^@\s]+@[^@\s]+\.[^@\s]+")
-
 """An address Alertmanager can send to or from: local part, @, a dotted domain."""

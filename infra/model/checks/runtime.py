@@ -9,18 +9,10 @@ from infra.model.schema import StackModel
 from training.spec import PLACEHOLDERS
 
 SYSTEM_TREES: tuple[str, ...] = ("/bin", "/boot", "/dev", "/etc", "/lib", "/lib32", "/lib64")
-
-
 SYSTEM_TREES += ("/libx32", "/proc", "/sbin", "/sys", "/usr")
-
 """Absolute checkpoint dirs refused anywhere under these: the system's own files."""
-
-
 SHARED_DIRS: tuple[str, ...] = ("/", "/data", "/home", "/media", "/mnt", "/opt", "/root")
-
-
 SHARED_DIRS += ("/run", "/snap", "/srv", "/tmp", "/var", "/var/lib", "/var/tmp")
-
 """Absolute checkpoint dirs refused as they are (a directory under them is fine): other
 users' and programs' files live there."""
 
