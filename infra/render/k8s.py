@@ -36,7 +36,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import yaml
-from training.torchrun import ON_DONE_ENV, REGION_ENV, RUN_DIR, SPEC_DIR, SPEC_PATH, WORKDIR
 
 from infra.model.paths import GATEWAY_DIR, WG_KEY_DIR
 from infra.plan import KubernetesSettings, Plan, PlanRegion
@@ -44,6 +43,7 @@ from infra.render.monitoring import DCGM_JOB, RUNTIME_JOB, render_alert_rules, r
 from infra.render.network import frr_daemons, render_frr, render_wireguard
 from infra.render.runtime import render_launch_spec
 from training.spec import LaunchSpec
+from training.torchrun import ON_DONE_ENV, REGION_ENV, RUN_DIR, SPEC_DIR, SPEC_PATH, WORKDIR
 
 K8S_VERSIONS = ("1.30", "1.31", "1.32", "1.33", "1.34", "1.35", "1.36", "1.37")
 """Kubernetes versions every manifest is validated against (kubernetes-validate --strict)."""
