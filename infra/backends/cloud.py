@@ -80,7 +80,7 @@ class RegionArgs:
 
     def instance_type(self, node: PlanNode) -> str:
         t = self.cloud.instance(node.gpu_type, node.gpus)
-        assert t is not None  # checks.py: every cloud node maps to an instance type
+        assert t is not None  # the model checks: every cloud node maps to an instance type
         return t.name
 
     def default_zone(self, node: PlanNode) -> str | None:

@@ -87,7 +87,7 @@ class GcpApi:
         return [_firewall(built, rule) for rule in rules]
 
     def peer(self, a: Built, b: Built, parent: Parent) -> list[pulumi.Resource]:
-        return []  # checks.py refuses peering on GCP (see _peering there)
+        return []  # the model checks refuse peering on GCP (checks/clouds.py: _peering)
 
 
 def tag(args: RegionArgs, role: str) -> str:
@@ -95,7 +95,7 @@ def tag(args: RegionArgs, role: str) -> str:
 
 
 def labels(args: RegionArgs) -> dict[str, str]:
-    """GCP label values are lowercase (checks.py refuses tags that cannot be labels)."""
+    """GCP label values are lowercase (the model checks refuse tags that cannot be labels)."""
     return {k: v.lower() for k, v in args.tags.items()}
 
 

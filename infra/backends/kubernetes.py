@@ -163,7 +163,7 @@ class KubernetesBackend:
         self, ctx: BackendContext, region: PlanRegion, parent: Parent
     ) -> list[pulumi.Resource]:
         k = render.settings(ctx.plan, region)
-        if not k.context:  # checks.py says so at validate time; never the current context
+        if not k.context:  # the model checks say so at validate time; never the current context
             raise ConfigError(
                 "stack", f"regions.{region.name}.pool.kubernetes.context", "is not set"
             )

@@ -1,7 +1,7 @@
 """The cloud tables: which instance type gives a node its GPUs on each cloud, where that type
 is offered, what it costs, which image boots it, and which addresses a cloud keeps for itself.
 
-Pure data plus look-ups; the stack checks (`infra.model.checks._clouds`), the plan, the cloud
+Pure data plus look-ups; the stack checks (`infra.model.checks.clouds`), the plan, the cloud
 backends (`infra/backends/aws.py`, `gcp.py`, `alicloud.py`) and the policies read it.
 
 Where the numbers come from, and how far to trust them:
