@@ -40,7 +40,7 @@ RUN groupadd --gid 10001 geotrain \
 USER 10001:10001
 WORKDIR /var/lib/geotrain
 # the pod's entry point: torchrun for this pod's node of the mounted launch spec
-CMD ["python", "-m", "training.torchrun", "--spec", "/etc/geotrain/spec/launch-spec.json"]
+CMD ["python", "-m", "training.launch.torchrun", "--spec", "/etc/geotrain/spec/launch-spec.json"]
 
 FROM debian:bookworm-slim AS gateway
 RUN apt-get update \

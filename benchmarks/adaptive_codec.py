@@ -7,7 +7,7 @@ fp16, int8, int4 at zstd 1, and adaptive over all four at zstd 1 and 3): wall ti
 step (median over the steps after the first), the sync's share, final loss.
 
 Part 2: one sync of the demo model's gradient-sized tensor with fixed int8, through the
-sync's payload exchange as it was (one gloo all-to-all, training.secagg.all_to_all_bytes)
+sync's payload exchange as it was (one gloo all-to-all, training.sync.secagg.all_to_all_bytes)
 and as it is now (per-peer sends timed into the link estimates), interleaved, median of
 each.
 
@@ -42,14 +42,14 @@ from typing import Any
 import torch
 import yaml
 
-from training.codec import Codec
-from training.data import ByteLoader, load_region_text
+from training.comm.topology import Topology, make_groups
+from training.data.loader import ByteLoader, load_region_text
 from training.gradsync import hierarchical_step
-from training.hier import HierarchicalAllReduce
-from training.model import build_model
+from training.models.deepseek import build_model
 from training.spec import AdaptiveSpec, CodecSpec
+from training.sync.codec import Codec
+from training.sync.hier import HierarchicalAllReduce
 from training.testing import join_lab_world, make_spec, run_world
-from training.topology import Topology, make_groups
 
 REGIONS = 3
 ROUNDS = 2

@@ -9,13 +9,13 @@ methods, side by side in one run, on a real 3-region x 2-rank gloo world on this
 Cross-region bytes: geotrain counts the encoded payloads it sends. DDP's hooks do flat
 all-reduces over every rank; for them we count the bytes each hook hands to all_reduce
 and apply the cross-region share of a ring all-reduce with ranks ordered by region
-(training.report.flat_ring_cross_bytes). Also: codec throughput per core.
+(training.observe.baseline.flat_ring_cross_bytes). Also: codec throughput per core.
 
 Run: python benchmarks/codec_and_sync.py [--steps 60]. Prints a table and saves it to
 benchmarks/results/codec_and_sync.md.
 
 `--codec-only [--baseline REV]` measures only the codec throughput, this checkout's codec
-side by side with training/codec.py at git revision REV (interleaved rounds, best of each:
+side by side with training/sync/codec.py at git revision REV (interleaved rounds, best of each:
 the machine is shared), and replaces the codec sections of the saved table.
 """
 
@@ -36,16 +36,16 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
-from training.codec import Address, Codec
-from training.data import ByteLoader, load_region_text
+from training.comm.session import Session
+from training.comm.topology import Topology, make_groups
+from training.data.loader import ByteLoader, load_region_text
 from training.gradsync import hierarchical_step
-from training.hier import HierarchicalAllReduce
-from training.model import build_model
-from training.report import flat_ring_cross_bytes
-from training.session import Session
+from training.models.deepseek import build_model
+from training.observe.baseline import flat_ring_cross_bytes
 from training.spec import CodecSpec
+from training.sync.codec import Address, Codec
+from training.sync.hier import HierarchicalAllReduce
 from training.testing import make_spec, run_world
-from training.topology import Topology, make_groups
 
 REGIONS, LOCAL = 3, 2
 WORLD = REGIONS * LOCAL
@@ -199,9 +199,9 @@ def codec_throughput(
 
 
 def load_codec_at(rev: str) -> ModuleType:
-    """training/codec.py as of git revision `rev`, as a module of its own."""
+    """training/sync/codec.py as of git revision `rev`, as a module of its own."""
     src = subprocess.run(
-        ["git", "show", f"{rev}:training/codec.py"],
+        ["git", "show", f"{rev}:training/sync/codec.py"],
         cwd=Path(__file__).resolve().parents[1],
         capture_output=True,
         text=True,

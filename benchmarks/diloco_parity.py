@@ -4,12 +4,12 @@ how many fewer cross-region bytes, side by side in one run at equal tokens.
 Every run: 3 regions x 1 rank (real gloo processes, training.testing.run_world), each
 region training on its own shard of the data (non-IID: the regions' text differs), a small
 DeepSeekLM (~92k parameters; 8 x 32 bytes per region per step), AdamW inner steps as the
-worker runs them, the real sync (training.hier: quantize, zstd, SM4-GCM, error feedback),
+worker runs them, the real sync (training.sync.hier: quantize, zstd, SM4-GCM, error feedback),
 the runtime's DiLoCo class (training.diloco) and, for streaming, its background exchange
-(training.streaming.twin). The same steps and batch for every run: equal tokens.
+(training.sync.streaming.twin). The same steps and batch for every run: equal tokens.
 
 Measured per run: cross-region wire bytes against a flat fp32 ring all-reduce every step
-(training.report.flat_ring_cross_bytes), the eval loss of the final model (every region
+(training.observe.baseline.flat_ring_cross_bytes), the eval loss of the final model (every region
 holds the same one) on held-out windows of every region's text (the last 10% of each
 shard, never trained on; each region evaluates its own, the mean taken), and the mean
 training loss of the last 25 steps. Gaps are relative to allreduce int8.
@@ -36,17 +36,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from training.codec import Codec
-from training.data import ByteLoader, load_region_text
-from training.diloco import DiLoCo
+from training.comm.topology import Topology, make_groups
+from training.data.loader import ByteLoader, load_region_text
 from training.gradsync import hierarchical_step
-from training.hier import HierarchicalAllReduce, sync_buckets
-from training.model import DeepSeekLM, ModelConfig
-from training.report import flat_ring_cross_bytes
+from training.models.deepseek import DeepSeekLM, ModelConfig
+from training.observe.baseline import flat_ring_cross_bytes
 from training.spec import CodecSpec, DilocoSpec
-from training.streaming import twin
+from training.sync.codec import Codec
+from training.sync.diloco import DiLoCo
+from training.sync.hier import HierarchicalAllReduce, sync_buckets
+from training.sync.streaming import twin
 from training.testing import make_spec, run_world
-from training.topology import Topology, make_groups
 
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
 KEY = bytes(range(32))

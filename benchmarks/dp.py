@@ -19,12 +19,12 @@ from pathlib import Path
 
 import torch
 
-from training.data import ByteLoader, load_region_text
-from training.model import DeepSeekLM, preset
-from training.privacy import RegionPrivacy
+from training.comm.topology import Topology
+from training.data.loader import ByteLoader, load_region_text
+from training.models.deepseek import DeepSeekLM, preset
+from training.privacy.dpsgd import RegionPrivacy
 from training.spec import LaunchSpec, PrivacySpec
 from training.testing import make_spec
-from training.topology import Topology
 
 OUT = Path(__file__).parent / "results" / "dp.md"
 EPSILONS = (1.0, 4.0, 8.0)

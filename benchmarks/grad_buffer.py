@@ -24,13 +24,13 @@ from typing import Any
 
 import torch
 
-from training.codec import Codec
+from training.comm.topology import Topology, make_groups
 from training.gradsync import GradBuffer, flat_grads, hierarchical_step, region_average_grads
-from training.hier import HierarchicalAllReduce
-from training.model import build_model
+from training.models.deepseek import build_model
 from training.spec import CodecSpec
+from training.sync.codec import Codec
+from training.sync.hier import HierarchicalAllReduce
 from training.testing import make_spec, run_world
-from training.topology import Topology, make_groups
 
 REGIONS, LOCAL = 3, 2
 PATHS = ("autograd", "buffer")

@@ -35,14 +35,14 @@ def worker(spec_path: str, rank: int, reps: int, out: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from training import gloo
-    from training.codec import Codec
-    from training.data import ByteLoader, load_region_text
+    from training.comm import gloo
+    from training.comm.topology import Topology, make_groups
+    from training.data.loader import ByteLoader, load_region_text
     from training.gradsync import flat_grads, grads_of, scatter
-    from training.hier import HierarchicalAllReduce, sync_buckets
-    from training.model import build_model
+    from training.models.deepseek import build_model
     from training.spec import LaunchSpec
-    from training.topology import Topology, make_groups
+    from training.sync.codec import Codec
+    from training.sync.hier import HierarchicalAllReduce, sync_buckets
 
     torch.set_num_threads(1)
     spec = LaunchSpec.load(spec_path)

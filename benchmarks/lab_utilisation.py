@@ -231,7 +231,7 @@ def run_mode(
         r = _geotrain("train", "--stack", "Pulumi.lab.yaml", cwd=cwd)
         if r.returncode != 0:  # the other modes' rows still count
             return {"skipped": "failed: " + (r.stdout + r.stderr).strip().splitlines()[-1]}
-        from training.report import complete_events
+        from training.observe.report import complete_events
 
         events = complete_events((cwd / ".geotrain/lab/events.jsonl").read_bytes())
     steps_ev = [e for e in events if e["event"] == "step"]

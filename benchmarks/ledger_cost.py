@@ -2,7 +2,7 @@
 
 One process, the local stack's model and batch (deepseek-tiny, batch 4 x seq 64, one
 thread), in one run: the median training step (forward, backward, AdamW), and the median
-cost of each ledger record as the worker makes it (training.ledger_hooks): SM3 of the
+cost of each ledger record as the worker makes it (training.audit.hooks): SM3 of the
 tensors, the Ed25519 signature over DSSE's PAE, one O_APPEND write and an fsync. Reports
 each as a share of one step, and per step amortized over the stack's cadence (a record
 every `checkpoint.interval_steps` = 20 steps for allreduce; every merge, H = 100 steps by
@@ -25,12 +25,12 @@ from pathlib import Path
 
 import torch
 
-from training.data import ByteLoader, load_region_text
-from training.diloco import split_fragments
+from training.audit.ledger import Ledger, TensorHasher, tensors_sm3
+from training.data.loader import ByteLoader, load_region_text
 from training.gradsync import buckets
-from training.ledger import Ledger, TensorHasher, tensors_sm3
-from training.model import build_model
+from training.models.deepseek import build_model
 from training.spec import DilocoSpec
+from training.sync.diloco import split_fragments
 from training.testing import make_spec
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -156,7 +156,7 @@ def main(steps: int = 30, repeats: int = 15) -> None:
         "",
         f"Medians of {repeats} records and {steps} steps, one run on a shared 2-core machine. "
         f"Streaming records one entry per fragment landing ({FRAGMENTS} per H steps); a "
-        "landing's entry signs only its fragment's parameters (training.ledger_hooks.merged), "
+        "landing's entry signs only its fragment's parameters (training.audit.hooks.merged), "
         f"{land_whole_ms / land_ms:.2f}x less than hashing every parameter at each landing.",
     ]
     text = "\n".join(lines) + "\n"

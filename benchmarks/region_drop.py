@@ -1,6 +1,6 @@
-"""Issue 17 benchmark: a region drops and training goes on (training.quorum, torchft).
+"""Issue 17 benchmark: a region drops and training goes on (training.ft.quorum, torchft).
 
-Regions of one rank each on loopback (training.ft_testing), a Lighthouse in this process.
+Regions of one rank each on loopback (training.ft.testing), a Lighthouse in this process.
 Region `frankfurt` is killed with -9 after `--kill-at` steps and restarted once the
 survivor has trained `--alone` steps without it. Per sync mode, side by side:
 
@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from training.ft_testing import RegionRun, done_of, steps_of
+from training.ft.testing import RegionRun, done_of, steps_of
 from training.spec import DilocoSpec
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import torch
 
-from training.data import ByteLoader, load_region_text
-from training.metrics import RuntimeMetrics
-from training.model import build_model
+from training.data.loader import ByteLoader, load_region_text
+from training.models.deepseek import build_model
+from training.observe.metrics import RuntimeMetrics
 from training.testing import make_spec
 
 RESULTS = Path(__file__).resolve().parent / "results"

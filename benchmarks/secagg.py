@@ -25,12 +25,12 @@ from typing import Any
 import torch
 import zstandard
 
-from training.codec import Codec
-from training.hier import HierarchicalAllReduce
-from training.secagg import Masker, Round, keystream, shared_quantize
+from training.comm.topology import Topology, make_groups
 from training.spec import CodecSpec
+from training.sync.codec import Codec
+from training.sync.hier import HierarchicalAllReduce
+from training.sync.secagg import Masker, Round, keystream, shared_quantize
 from training.testing import make_spec, run_world
-from training.topology import Topology, make_groups
 
 REGIONS = 3
 KEY = bytes(range(32))

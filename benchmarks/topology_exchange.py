@@ -8,7 +8,7 @@ same, so BGP keeps each pair on its direct tunnel (the relays are the exchange's
 routers'). The demo model trains with int8 + zstd + SM4-GCM under each exchange:
 - direct: today's exchange (equal pieces, every payload on its direct link);
 - topology, pieces only: piece weights planned from the agreed link matrix, no relay;
-- topology: piece weights and relays (training.topo_exchange).
+- topology: piece weights and relays (training.sync.topo_exchange).
 Per mode: sync seconds per step (the hierarchical all-reduce's own time, mean over ranks),
 wall seconds per step (slowest rank, after a barrier), both as medians over the steps
 after the first, and their ratio to direct; the plans each cross group agreed; the RTT of
@@ -63,14 +63,14 @@ def worker(spec_path: str, rank: int, mode: str, steps: int, out: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from training.codec import Codec
-    from training.data import ByteLoader, load_region_text
+    from training.comm.topology import make_groups
+    from training.data.loader import ByteLoader, load_region_text
     from training.gradsync import hierarchical_step
-    from training.hier import HierarchicalAllReduce
-    from training.model import build_model
+    from training.models.deepseek import build_model
+    from training.sync.codec import Codec
+    from training.sync.hier import HierarchicalAllReduce
+    from training.sync.topo_exchange import TopologyExchange
     from training.testing import join_lab_world
-    from training.topo_exchange import TopologyExchange
-    from training.topology import make_groups
 
     spec, topo = join_lab_world(spec_path, rank, 60)
     sync = HierarchicalAllReduce(

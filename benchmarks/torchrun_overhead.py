@@ -4,7 +4,7 @@ side in one run on this machine.
 Before: the launcher at git revision BEFORE (default 263aa36, the last one that spawned
 `training.worker --node --local-rank` itself and restarted the group on its own), taken
 with `git archive` into a temporary directory. After: this tree (one torchrun per node,
-c10d rendezvous, training.launch). Both run the same two-node stack (bj-0, fra-0; two CPU
+c10d rendezvous, training.launch.launcher). Both run the same two-node stack (bj-0, fra-0; two CPU
 workers each) with `geotrain train`, alternately:
 
 - startup: a 1-step run; its wall time, and the time from the launcher's start to the

@@ -34,12 +34,12 @@ def validate(stack: str) -> None:
         f"{m.stack}: ok - {len(plan.regions)} regions, {len(plan.nodes)} nodes, "
         f"{gpus} workers, {len(plan.tunnels)} links, run {plan.run_id}"
     )
-    from training.spec import quantize_hint  # not training.codec: validate stays torch-free
+    from training.spec import quantize_hint  # not training.sync.codec: validate stays torch-free
 
     t = m.training
     hints = [quantize_hint(t.compression.quantize, t.sync, t.diloco.drift_correction)]
     if t.sync == "diloco":
-        from training.diloco import outer_hint
+        from training.sync.diloco import outer_hint
 
         d = t.diloco
         hints.append(outer_hint(len(plan.regions), d.outer_lr, d.outer_momentum))
@@ -132,7 +132,7 @@ def graph(stack: str) -> None:
 @friendly
 def keygen(out: str) -> None:
     """Create a run key file (32 random bytes, hex) unless it exists."""
-    from training.keys import create_key_file
+    from training.state.keys import create_key_file
 
     created = create_key_file(Path(out))
     click.echo(f"{'created' if created else 'kept existing'} {out}")

@@ -38,10 +38,10 @@ def prepare_local_run(model: StackModel, fresh: bool) -> tuple[LaunchSpec, Path,
     from infra.model.checks import SINGLE_MACHINE_KINDS
     from infra.plan import build_plan
     from infra.render import render_launch_spec
-    from training.checkpoint import has_steps, remove_checkpoints
     from training.errors import KeyFileError
-    from training.keys import create_key_file
     from training.spec import node_root, record_path
+    from training.state.checkpoint import has_steps, remove_checkpoints
+    from training.state.keys import create_key_file
 
     plan = build_plan(model)
     kinds = {r.kind for r in plan.regions}
@@ -101,7 +101,7 @@ def train(stack: str, fresh: bool, steps: int | None) -> None:
     """Train on a single-machine stack (local, lab): every region's workers start here."""
     from infra.model import load_stack
     from infra.model.load import with_steps
-    from training.launch import run_lock
+    from training.launch.launcher import run_lock
 
     model = load_stack(stack)
     if steps is not None:  # checked with the stack before anything is deleted or written
@@ -112,9 +112,9 @@ def train(stack: str, fresh: bool, steps: int | None) -> None:
 
 
 def _train(stack: str, spec: LaunchSpec, spec_path: Path, run_dir: Path) -> None:
-    from training.launch import launch
-    from training.plot import INSTALL_HINT, available, write_run_plot
-    from training.report import EventLog, Progress, print_report, summarize
+    from training.launch.launcher import launch
+    from training.observe.plot import INSTALL_HINT, available, write_run_plot
+    from training.observe.report import EventLog, Progress, print_report, summarize
 
     nodes = [n for r in spec.regions for n in r.nodes]
     click.echo(
@@ -211,7 +211,7 @@ def _log_tail(log_dir: Path, worker: str | None) -> str:
 @friendly
 def launch_node(spec_file: str, node: str, run_dir: str) -> None:
     """Start one node's workers (what SSH hosts and Kubernetes pods run)."""
-    from training.launch import launch, run_lock
+    from training.launch.launcher import launch, run_lock
     from training.spec import LaunchSpec
 
     spec = LaunchSpec.load(spec_file)

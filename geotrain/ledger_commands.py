@@ -1,4 +1,4 @@
-"""`geotrain ledger verify`: check a run's signed training ledger (training.ledger_verify)."""
+"""`geotrain ledger verify`: check a run's signed training ledger (training.audit.verify)."""
 
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ def ledger() -> None:
 def verify(stack: str | None, run: str | None, trust: str | None, allow_open: bool) -> None:
     """Check every chain, signature and cross-region digest, and that the checkpoints and
     final weights on disk are the ones the ledger names. One line and exit 2 on failure."""
-    from training.ledger_verify import verify_run
+    from training.audit.verify import verify_run
 
     if (stack is None) == (run is None):
         raise LedgerError("give exactly one of --stack S or --run DIR")

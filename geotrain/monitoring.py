@@ -18,8 +18,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from infra.plan import Plan
 from infra.render import render_alert_rules, render_alertmanager, render_prometheus
 from infra.render.monitoring import RULES_FILE
-from training import metric_names as mn
-from training.metric_names import QUORUM_EXCLUDED, QUORUM_REGIONS
+from training.observe import metric_names as mn
+from training.observe.metric_names import QUORUM_EXCLUDED, QUORUM_REGIONS
 from training.spec import metrics_port
 
 INSTALL_HINT = (
@@ -166,7 +166,8 @@ def _fold(v: RegionView, text: str) -> None:
 
 
 def _fold_quorum(v: RegionView, text: str) -> None:
-    """fault_tolerance series (training.metric_names.QUORUM_*): quorum size and excluded regions."""
+    """fault_tolerance series (training.observe.metric_names.QUORUM_*): quorum size and
+    excluded regions."""
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
             if s.name == QUORUM_REGIONS:

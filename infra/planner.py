@@ -6,7 +6,7 @@ backward 4), so a run costs C = 6 · N · D FLOPs (N active parameters per token
 token uses its top-k of E routed experts; D tokens). The fleet delivers
 G · peak · MFU FLOP/s (A100 bf16 dense peak: 312 TFLOPS; MFU 40% is a good large run).
 
-Cross-region traffic of geotrain's hierarchical sync (training/hier.py): per sync each
+Cross-region traffic of geotrain's hierarchical sync (training/sync/hier.py): per sync each
 region sends every peer N/R values in the reduce-scatter and N/R in the all-gather, so
 each link carries 2 · N · b / R bytes per direction (b bytes per value), all links at once;
 the R regions send 2 · (R - 1) · N · b bytes in all. With `exchange: allgather` each
@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 from infra.model.gpus import GPU_TYPES
 from infra.plan import Plan
-from training.diloco import rounds_in
 from training.errors import GeotrainError
+from training.sync.diloco import rounds_in
 
 SECONDS_PER_DAY = 86_400
 TB = 1e12
@@ -150,7 +150,7 @@ def estimate(i: Inputs) -> list[Estimate]:
 
 def inputs_from_plan(plan: Plan, mfu: float, tokens: float | None = None) -> Inputs:
     """The estimate's inputs from a stack: its model preset, fleet, links and codec."""
-    from training.model import preset
+    from training.models.deepseek import preset
 
     if not 0 < mfu <= 1:
         raise PlanInputError(f"--mfu must be in (0, 1], got {mfu}; 0.4 is a good large run")
@@ -204,7 +204,7 @@ def active_parameters(config: object) -> float:
     (counted on the meta device: no memory for the weights)."""
     import torch
 
-    from training.model import DeepSeekLM
+    from training.models.deepseek import DeepSeekLM
 
     with torch.device("meta"):
         model = DeepSeekLM(config)  # type: ignore[arg-type]

@@ -170,7 +170,7 @@ class PrivacyBudgetSpent(GeotrainError):
 
 
 class QuorumLost(GeotrainError):
-    """Fewer regions than `fault_tolerance.min_replicas` stayed in training (training.quorum):
+    """Fewer regions than `fault_tolerance.min_replicas` stayed in training (training.ft.quorum):
     the survivors stop, and the whole job restarts from its checkpoints."""
 
     exit_code = 3

@@ -13,23 +13,25 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from training import balance, ledger_hooks
+from training.audit import hooks as ledger_hooks
 from training.errors import (
     PayloadRejected,
 )
 from training.gradsync import merge, region_average_grads, sync_grads, zero_grads
-from training.job import Job, rejected, setup
-from training.privacy import (
+from training.job import Job, rejected
+from training.privacy.dpsgd import (
     Stop,
     agreed_stop,
     budget_error,
 )
+from training.resume import resume, save_final, state_dict
+from training.setup import setup
 from training.spec import LaunchSpec
-from training.state import resume, save_final, state_dict
+from training.sync import balance
 
 CONTROL_EVERY = 10
 """Time-based merges/saves are agreed on every this many steps (two flags per rank, MAC'd:
-training.session.Control), CONTROL_LATE rounds late: the flags gathered at one control
+training.comm.session.Control), CONTROL_LATE rounds late: the flags gathered at one control
 step are applied CONTROL_LATE control steps later, so the gather (a ring all-gather over
 the WAN, about a second in the lab, on every 10th step) runs under the steps in between
 instead of stalling one. A time-based trigger fires less than (CONTROL_LATE + 1) x
@@ -196,7 +198,7 @@ def report(
 
 
 def link_report(job: Job) -> dict[str, Any]:
-    """Every link's estimate (training.linkprobe) and, with codec.adaptive, its codec."""
+    """Every link's estimate (training.sync.linkprobe) and, with codec.adaptive, its codec."""
     s = job.sync
     return {
         "links": s.links.report() if s.links else [],
@@ -227,10 +229,6 @@ def last_step(job: Job) -> Stop:
 def run(
     spec: LaunchSpec, node: str, local_rank: int, events: Path | None, run_dir: Path | None
 ) -> None:
-    if spec.fault_tolerance is not None:  # regions as torchft replica groups
-        from training import ft_loop
-
-        return ft_loop.run(spec, node, local_rank, events, run_dir)
     job = setup(spec, node, local_rank, events, run_dir)
     n_params = sum(p.numel() for p in job.model.parameters())
     session = job.sync.codec.session

@@ -101,12 +101,12 @@ class RegionSpec:
 
 
 QUANTIZERS = ("none", "fp16", "bf16", "int8", "int4", "ternary")
-"""Quantizers of the codec, most precise first (training.codec.QUANT)."""
+"""Quantizers of the codec, most precise first (training.sync.codec.QUANT)."""
 
 
 @dataclass(frozen=True, config=_STRICT)
 class AdaptiveSpec:
-    """The codec chosen per link from measured costs (training.adaptive)."""
+    """The codec chosen per link from measured costs (training.sync.adaptive)."""
 
     quantize: tuple[str, ...] = ("none", "fp16", "int8", "int4")
     """Quantizers the chooser may pick (receivers accept exactly these)."""
@@ -153,7 +153,7 @@ def adaptive_problems(a: Any) -> list[tuple[str, str]]:
 @dataclass(frozen=True, config=_STRICT)
 class CodecSpec:
     quantize: Quantize = "int8"
-    """none | fp16 | bf16 | int8 | int4 | ternary (training.codec)."""
+    """none | fp16 | bf16 | int8 | int4 | ternary (training.sync.codec)."""
     block_size: Count = 256
     """Elements per scale block (int8, int4, ternary)."""
     error_feedback: bool = True
@@ -163,7 +163,7 @@ class CodecSpec:
     cipher: Cipher = "sm4-gcm"
     """sm4-gcm | aes-gcm | none."""
     secure_aggregation: bool = False
-    """Mask the cross-region scatter stage pairwise (training.secagg); int8 or int4 only."""
+    """Mask the cross-region scatter stage pairwise (training.sync.secagg); int8 or int4 only."""
     adaptive: AdaptiveSpec | None = None
     """Choose quantizer and zstd level per link from measured costs (None: fixed)."""
 
@@ -307,7 +307,7 @@ class CheckpointSpec:
 
 @dataclass(frozen=True, config=_STRICT)
 class FaultToleranceSpec:
-    """Regions as torchft replica groups (training.quorum); see docs/fault-tolerance.md."""
+    """Regions as torchft replica groups (training.ft.quorum); see docs/fault-tolerance.md."""
 
     lighthouse: str
     """host:port the Lighthouse binds and every region dials (an overlay or loopback
@@ -362,8 +362,8 @@ class LaunchSpec:
     codec: CodecSpec = field(default_factory=CodecSpec)
     """Cross-region codec."""
     exchange: Exchange = "direct"
-    """allgather: each region's shard whole to every region, one round (training.hier);
-    topology: pieces and relays planned from the measured links (training.topo_exchange)."""
+    """allgather: each region's shard whole to every region, one round (training.sync.hier);
+    topology: pieces and relays planned from the measured links (training.sync.topo_exchange)."""
     exchange_replan: Count = 20
     """topology: cross-region exchanges (bucket syncs) between two agreed plans."""
     diloco: DilocoSpec = field(default_factory=DilocoSpec)
@@ -380,7 +380,7 @@ class LaunchSpec:
     max_restarts: NonNegative = 3
     """Restarts after a worker dies."""
     fault_tolerance: FaultToleranceSpec | None = None
-    """Regions drop and rejoin without a restart (training.quorum); None: off."""
+    """Regions drop and rejoin without a restart (training.ft.quorum); None: off."""
     version: int = SPEC_VERSION
     """Spec format version."""
 
@@ -485,8 +485,8 @@ def metrics_endpoint(spec: LaunchSpec, node: NodeSpec, local_rank: int) -> tuple
 
 def listeners(spec: LaunchSpec) -> list[dict[str, Any]]:
     """Every socket the runtime listens on, from the same functions the workers bind
-    with: the rendezvous store (rank 0, training.session.rendezvous_store), each worker's
-    gloo device (training.gloo; ephemeral ports, shown as 0) and metrics endpoint."""
+    with: the rendezvous store (rank 0, training.comm.session.rendezvous_store), each worker's
+    gloo device (training.comm.gloo; ephemeral ports, shown as 0) and metrics endpoint."""
     out: list[dict[str, Any]] = [
         {"service": "rendezvous", "bind": spec.master_addr, "port": spec.master_port}
     ]
@@ -514,7 +514,7 @@ def fault_tolerance_conflict(
     topology: bool = False,
 ) -> str | None:
     """Why fault_tolerance cannot run with the rest of a stack or spec (None: it can); the
-    stack check (infra.model.fault_tolerance) and the spec's (training.quorum) share it.
+    stack check (infra.model.fault_tolerance) and the spec's (training.ft.quorum) share it.
     `privacy`: the regions with differential privacy; `workers`: each region's workers;
     `cuda`: the regions on GPUs."""
     off = "or turn fault_tolerance off"
@@ -567,8 +567,8 @@ def fault_tolerance_conflict(
 
 def exchange_conflict(exchange: str, *, secure_aggregation: bool, adaptive: bool) -> str | None:
     """Why `exchange` cannot run with the rest of a stack or spec (None: it can); the stack
-    check (infra.model.checks) and the launch spec's (training.topo_exchange,
-    training.hier) share it."""
+    check (infra.model.checks) and the launch spec's (training.sync.topo_exchange,
+    training.sync.hier) share it."""
     if exchange == "direct":
         return None
     if exchange == "allgather":
@@ -593,7 +593,7 @@ def exchange_conflict(exchange: str, *, secure_aggregation: bool, adaptive: bool
 
 
 def _quorum_listeners(spec: LaunchSpec) -> list[dict[str, Any]]:
-    """fault_tolerance (training.quorum): the Lighthouse, each region's store, and per
+    """fault_tolerance (training.ft.quorum): the Lighthouse, each region's store, and per
     worker its torchft ManagerServer and heal server (ephemeral ports, shown as 0)."""
     ft = spec.fault_tolerance
     if ft is None:
@@ -636,7 +636,7 @@ def check_ranks(regions: list[RegionSpec]) -> None:
     """Ranks run contiguously from 0 in region order, and a region's nodes share one device
     kind (its intra-region group is NCCL or gloo). Regions may differ in worker count:
     the hierarchical all-reduce pairs the first min-region-size local ranks
-    (training.topology)."""
+    (training.comm.topology)."""
     expect = 0
     for r in regions:
         for n in r.nodes:

@@ -79,7 +79,13 @@ def _entry(
             dist.destroy_process_group()
 
 
-PRELOAD = ["torch", "torch.distributed", "training.codec", "training.hier", "training.checkpoint"]
+PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "training.sync.codec",
+    "training.sync.hier",
+    "training.state.checkpoint",
+]
 """What the fork server imports once, so each rank starts in ~30 ms instead of importing torch
 afresh (spawn: ~1.5 s of CPU per rank, 6 ranks per world, dozens of worlds per test run)."""
 
@@ -160,8 +166,8 @@ def join_lab_world(spec_path: str, rank: int, timeout_s: float) -> tuple[LaunchS
     """A benchmark rank inside the lab (already in its node's namespace): the spec, and the
     default process group joined over the node's private address, as training.job does.
     Returns (spec, its Topology)."""
-    from training import gloo
-    from training.topology import Topology
+    from training.comm import gloo
+    from training.comm.topology import Topology
 
     torch.set_num_threads(1)
     spec = LaunchSpec.load(spec_path)

@@ -1,14 +1,14 @@
 """One training rank: `python -m training.worker --spec FILE --node NAME --local-rank I`,
 or under torchrun `python -m training.worker --torchrun[=NODE] --spec FILE`
-(training.torchrun).
+(training.launch.torchrun).
 
 Reads only the launch spec. Every check that can fail on bad input (key file, data shard,
 world size) runs before the process group starts, so a bad spec fails fast and clearly.
 
 The rank's parts live by responsibility: training.job (the checks and setup),
-training.state (what a checkpoint holds, and the resume), training.gradsync (the
+training.resume (what a checkpoint holds, and the resume), training.gradsync (the
 per-step sync and the periodic merge), training.loop (the steps and the run);
-fault_tolerance runs training.ft_loop instead.
+fault_tolerance runs training.ft.loop instead.
 """
 
 from __future__ import annotations
@@ -17,13 +17,14 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from training import torchrun
+from training import loop
 from training.errors import GeotrainError
-from training.loop import run
+from training.launch import torchrun
 from training.spec import LaunchSpec
 
 
@@ -48,6 +49,7 @@ def main(argv: list[str] | None = None) -> None:
             t = torchrun.enter(spec, a.torchrun or None, os.environ)
             a.node, a.local_rank = t.node, t.local_rank
             os.environ["GEOTRAIN_TORCHRUN"] = json.dumps(t.fields())  # for the start event
+        run = _loop_for(spec)
         run(
             spec,
             a.node,
@@ -60,6 +62,16 @@ def main(argv: list[str] | None = None) -> None:
         torchrun.record_failure(events, spec, a.node, a.local_rank, e)
         _exit(e.exit_code)
     _exit(0)
+
+
+def _loop_for(spec: LaunchSpec) -> Callable[..., None]:
+    """The training loop of the spec: regions as torchft replica groups under
+    fault_tolerance (imported only then: it loads torchft), else the fixed-world loop."""
+    if spec.fault_tolerance is not None:
+        from training.ft import loop as ft_loop
+
+        return ft_loop.run
+    return loop.run
 
 
 def _exit(code: int) -> None:

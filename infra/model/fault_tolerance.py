@@ -1,4 +1,4 @@
-"""`geotrain:training.fault_tolerance`: regions as torchft replica groups (training.quorum).
+"""`geotrain:training.fault_tolerance`: regions as torchft replica groups (training.ft.quorum).
 
 The stack places the Lighthouse on a region (its first node) or on a named node, and the
 plan advertises it on that node's private (overlay) address; the launch spec carries the

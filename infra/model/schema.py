@@ -306,7 +306,7 @@ ADAPTIVE_QUANTIZE: tuple[Quantize, ...] = ("none", "fp16", "int8", "int4")
 
 class Adaptive(Strict):
     quantize: list[Quantize] = Field(default_factory=lambda: [*ADAPTIVE_QUANTIZE], min_length=1)
-    """Quantizers the chooser may pick per link (training.adaptive); receivers accept these."""
+    """Quantizers the chooser may pick per link (training.sync.adaptive); receivers accept these."""
     zstd_levels: list[int] = Field(default_factory=lambda: [1, 3], min_length=1)
     """zstd levels the chooser may pick (-7 to 22)."""
     budget_seconds: float | None = Field(default=None, gt=0)
@@ -333,10 +333,10 @@ class Compression(Strict):
     """Payload cipher; CN requires sm4-gcm by default policy."""
     secure_aggregation: bool = False
     """Mask each region's contribution pairwise so the summing region sees only the sum
-    (training.secagg; quantize int8/int4, 3+ regions; with diloco: the pseudo-gradients)."""
+    (training.sync.secagg; quantize int8/int4, 3+ regions; with diloco: the pseudo-gradients)."""
     adaptive: Adaptive | None = None
     """Choose quantizer and zstd level per link from the measured link and codec speeds
-    (training.adaptive); `quantize` is then the codec before the first measurement."""
+    (training.sync.adaptive); `quantize` is then the codec before the first measurement."""
 
 
 class Diloco(Strict):
@@ -448,7 +448,7 @@ class Training(Strict):
     quantized once, go whole to every region (one round, R / 2 times direct's bytes: the
     same with 2 regions, 1.5x with 3); topology: each region aggregates a share of the
     gradients sized by its measured links, and flows over a slow link relay through a
-    faster region (training.topo_exchange)."""
+    faster region (training.sync.topo_exchange)."""
     exchange_replan: int = Field(default=20, ge=1, le=100000)
     """topology: cross-region exchanges (bucket syncs) between two plans agreed by every region."""
     fault_tolerance: FaultTolerance | None = None

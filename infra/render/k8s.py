@@ -5,7 +5,7 @@ Per region (its own cluster):
 - pool: the Namespace, the workers' headless Service (StatefulSet) and a NetworkPolicy;
 - delivery: the run key's Secret, the launch spec's ConfigMap (named by its content hash,
   so a changed spec is a new pod template) and the workers: a StatefulSet, or a JobSet
-  (jobset.x-k8s.io/v1alpha2). Every pod runs `python -m training.torchrun`, the image's
+  (jobset.x-k8s.io/v1alpha2). Every pod runs `python -m training.launch.torchrun`, the image's
   CMD, which starts torchrun for the pod's node of the spec;
 - overlay: a WireGuard + FRR gateway (a Deployment on hostNetwork with NET_ADMIN, built
   from the same renderers as host gateways) and a route DaemonSet that sends the other
@@ -42,14 +42,14 @@ from infra.plan import KubernetesSettings, Plan, PlanRegion
 from infra.render.monitoring import DCGM_JOB, RUNTIME_JOB, render_alert_rules, render_dashboard
 from infra.render.network import frr_daemons, render_frr, render_wireguard
 from infra.render.runtime import render_launch_spec
+from training.launch.torchrun import ON_DONE_ENV, REGION_ENV, RUN_DIR, SPEC_DIR, SPEC_PATH, WORKDIR
 from training.spec import LaunchSpec
-from training.torchrun import ON_DONE_ENV, REGION_ENV, RUN_DIR, SPEC_DIR, SPEC_PATH, WORKDIR
 
 K8S_VERSIONS = ("1.30", "1.31", "1.32", "1.33", "1.34", "1.35", "1.36", "1.37")
 """Kubernetes versions every manifest is validated against (kubernetes-validate --strict)."""
 TRANSPORT = "wireguard"
 """What carries traffic between regions: WireGuard between the regions' gateway pods."""
-WORKER_COMMAND = ["python", "-m", "training.torchrun", "--spec", SPEC_PATH]
+WORKER_COMMAND = ["python", "-m", "training.launch.torchrun", "--spec", SPEC_PATH]
 """The worker container's command: the Dockerfile's CMD (target runtime)."""
 GATEWAY_COMMAND = ["/bin/sh", f"{GATEWAY_DIR}/gateway.sh"]
 """The gateway container's command: the Dockerfile's CMD (target gateway)."""

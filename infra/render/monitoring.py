@@ -19,7 +19,7 @@ from typing import Any
 import yaml
 
 from infra.plan import Plan, PlanNode
-from training import metric_names as mn
+from training.observe import metric_names as mn
 from training.spec import metrics_port
 
 RULES_FILE = "rules/geotrain.rules.yml"

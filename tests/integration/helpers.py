@@ -11,7 +11,7 @@ from typing import Any
 
 import yaml
 
-from training.report import complete_events
+from training.observe.report import complete_events
 
 STACKS = Path(__file__).resolve().parents[2] / "stacks"
 

@@ -24,7 +24,7 @@ import pytest
 from infra.model import load_stack
 from infra.replay import Deployment, Replay
 from tests.integration import fleet as F
-from training.report import complete_events
+from training.observe.report import complete_events
 
 MISSING = [
     c

@@ -22,7 +22,7 @@ import torch
 import yaml
 
 from tests.integration.helpers import committed, events, geotrain, start, two_node_stack
-from training.checkpoint import MANIFEST, QUARANTINE, REASON
+from training.state.checkpoint import MANIFEST, QUARANTINE, REASON
 
 pytestmark = pytest.mark.timeout(600)
 NODES = ("bj-0", "fra-0")
@@ -250,7 +250,7 @@ def _starts(run_dir: Path) -> list[dict[str, object]]:
 NETNS_LAUNCHER = """
 import subprocess, sys
 from pathlib import Path
-from training.launch import spawn
+from training.launch.launcher import spawn
 cmd = ["ip", "netns", "exec", sys.argv[1], sys.executable, "-c",
        "import os, time; print(os.getpid(), flush=True); time.sleep(300)"]
 p = spawn(cmd, {}, Path(sys.argv[2]))
@@ -307,7 +307,7 @@ def test_second_launcher_of_a_stack_is_refused_with_one_line_and_the_first_finis
 
 
 def test_second_launch_of_a_node_on_one_run_dir_is_refused(tmp_path: Path) -> None:
-    from training.keys import create_key_file
+    from training.state.keys import create_key_file
 
     stack = two_node_stack(tmp_path, "faults")
     _ok(geotrain("render", "--stack", str(stack), "--out", str(tmp_path / "r"), cwd=tmp_path))
@@ -332,7 +332,7 @@ def test_second_launch_of_a_node_on_one_run_dir_is_refused(tmp_path: Path) -> No
 def test_event_log_reader_skips_partial_and_garbled_lines_and_survives_truncation(
     tmp_path: Path,
 ) -> None:
-    from training.report import EventLog
+    from training.observe.report import EventLog
 
     path = tmp_path / "events.jsonl"
     path.write_text('{"event": "start"}\n{"event": "st')

@@ -2,7 +2,7 @@
 stack (one region a StatefulSet, the other a JobSet) runs as local processes with exactly
 what Kubernetes would give it, and the run trains to the end.
 
-Per pod, from its manifests: the container's command (python -m training.torchrun, the
+Per pod, from its manifests: the container's command (python -m training.launch.torchrun, the
 image's CMD) and env, $HOSTNAME (and a JobSet's $JOB_COMPLETION_INDEX), the working
 directory (its volume), the spec ConfigMap's file, the init container's command run on
 the Secret's file, and the key at the worker's mount path (a hard link of the init
@@ -37,8 +37,8 @@ from infra.model.load import validate
 from infra.plan import Plan, build_plan
 from infra.render import k8s
 from tests.conftest import stack_doc
-from training import torchrun
-from training.keys import KEY_BYTES
+from training.launch import torchrun
+from training.state.keys import KEY_BYTES
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [

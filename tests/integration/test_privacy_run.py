@@ -13,7 +13,7 @@ import yaml
 from opacus.accountants import RDPAccountant
 
 from tests.integration.helpers import events, geotrain, two_node_stack
-from training.ledger import predicate_type
+from training.audit.ledger import predicate_type
 
 pytestmark = pytest.mark.timeout(300)
 

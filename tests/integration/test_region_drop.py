@@ -1,4 +1,4 @@
-"""A region drops and training goes on (training.quorum, torchft): regions of one rank each
+"""A region drops and training goes on (training.ft.quorum, torchft): regions of one rank each
 on loopback, a Lighthouse in the test process, workers killed with -9 and restarted."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from training.ft_testing import RegionRun, done_of, steps_of
+from training.ft.testing import RegionRun, done_of, steps_of
 from training.spec import DilocoSpec
 
 _steps, _done = steps_of, done_of

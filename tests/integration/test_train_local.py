@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.integration.helpers import committed, events, geotrain, small_stack, start
-from training import ledger
+from training.audit import ledger
 
 pytestmark = pytest.mark.timeout(600)
 NODES = ("bj-0", "fra-0", "sv-0")
@@ -170,7 +170,7 @@ def test_region_without_a_shard_is_a_clear_error(tmp_path: Path) -> None:
     # a launch spec made by hand without it stops the worker with the same reason
     from types import SimpleNamespace
 
-    from training.data import load_region_text
+    from training.data.loader import load_region_text
     from training.errors import DataError
 
     region = SimpleNamespace(name="silicon-valley", jurisdiction="US", shards=[])

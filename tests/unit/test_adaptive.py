@@ -1,5 +1,5 @@
-"""The adaptive codec (training.adaptive) and the link estimates it reads
-(training.linkprobe): the chooser's picks, its hysteresis, its settings, and a real
+"""The adaptive codec (training.sync.adaptive) and the link estimates it reads
+(training.sync.linkprobe): the chooser's picks, its hysteresis, its settings, and a real
 3-region gloo world whose links get different codecs."""
 
 from __future__ import annotations
@@ -13,15 +13,15 @@ from pydantic import ValidationError
 from infra.model import load_stack
 from infra.plan import build_plan
 from infra.render.runtime import render_launch_spec
-from training.adaptive import TIE, Choice, CostModel, Speed, Switch, pick
-from training.codec import Address, Codec
+from training.comm.session import Session
+from training.comm.topology import Topology, make_groups
 from training.errors import ConfigError, HostileReject, SpecError
-from training.hier import HierarchicalAllReduce
-from training.linkprobe import MIN_SAMPLE_BYTES, Link, pairings
-from training.session import Session
 from training.spec import AdaptiveSpec, CodecSpec, LaunchSpec
+from training.sync.adaptive import TIE, Choice, CostModel, Speed, Switch, pick
+from training.sync.codec import Address, Codec
+from training.sync.hier import HierarchicalAllReduce
+from training.sync.linkprobe import MIN_SAMPLE_BYTES, Link, pairings
 from training.testing import make_spec, run_world
-from training.topology import Topology, make_groups
 
 pytestmark = pytest.mark.timeout(180)
 NONE, FP16, INT8, INT4 = (Choice(q, 1) for q in ("none", "fp16", "int8", "int4"))

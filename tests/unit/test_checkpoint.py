@@ -16,7 +16,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from training.checkpoint import (
+from training.errors import CheckpointError
+from training.state.checkpoint import (
     MANIFEST,
     MARKER,
     QUARANTINE,
@@ -25,7 +26,6 @@ from training.checkpoint import (
     node_group,
     node_root,
 )
-from training.errors import CheckpointError
 from training.testing import run_world
 
 pytestmark = pytest.mark.timeout(120)
@@ -327,7 +327,7 @@ def _marker_write_fails(rank: int, world: int, root: str) -> str:
     """Step 1 commits; step 2's marker write fails (disk full at the last moment)."""
     import errno
 
-    from training import checkpoint as ck
+    from training.state import checkpoint as ck
 
     real = ck._write_atomic
     full_now = []
@@ -391,7 +391,7 @@ def test_read_only_checkpoint_dir_is_a_clear_error(tmp_path: Path) -> None:
 def test_fresh_deletes_only_what_checkpointers_wrote(tmp_path: Path) -> None:
     """`geotrain train --fresh` on a root that also holds the user's files (a checkpoint dir
     set to the launch directory): the checkpoints go, the user's files stay."""
-    from training.checkpoint import remove_checkpoints
+    from training.state.checkpoint import remove_checkpoints
 
     root = tmp_path / "root"
     for d in ("step-10/bj-0", "step-20/bj-0", "quarantine/step-5-bj-0-torn-1"):
@@ -434,7 +434,7 @@ def test_fresh_deletes_only_what_checkpointers_wrote(tmp_path: Path) -> None:
 def test_a_root_of_another_stack_is_refused_and_fresh_leaves_it_whole(tmp_path: Path) -> None:
     """Two stacks with one checkpoint dir would quarantine, prune and delete each other's
     steps: the first to use a root marks it, the other is refused before touching it."""
-    from training.checkpoint import OWNER, claim, remove_checkpoints
+    from training.state.checkpoint import OWNER, claim, remove_checkpoints
 
     root = _make(tmp_path)  # run-a's steps, unmarked (a root from before the mark)
     claim(root, "a")
@@ -470,9 +470,9 @@ def test_an_unreadable_shard_and_an_unwritable_final_file_are_errors_that_stop_n
     restart) naming the file, not an OSError traceback restarted max_restarts times."""
     import errno
 
-    from training.data import load_region_text
+    from training.data.loader import load_region_text
     from training.errors import DataError, OutputError
-    from training.state import save_final
+    from training.resume import save_final
     from training.testing import make_spec
 
     shard = tmp_path / "corpus.txt"
@@ -529,8 +529,8 @@ def test_a_time_based_save_never_lands_on_the_last_step() -> None:
 def test_the_first_region_to_finish_writes_the_final_weights_and_stale_temps_go(
     tmp_path: Path,
 ) -> None:
+    from training.resume import first_to_finish, save_final
     from training.spec import FINAL_CLAIM
-    from training.state import first_to_finish, save_final
 
     assert first_to_finish(tmp_path) and not first_to_finish(tmp_path)  # one per launch
     (tmp_path / FINAL_CLAIM).unlink()  # the launcher, at the next launch

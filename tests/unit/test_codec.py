@@ -7,10 +7,10 @@ import dataclasses
 import pytest
 import torch
 
-from training.codec import HEADER, Address, Codec
+from training.comm.session import Session
 from training.errors import HostileReject, TransientReject
-from training.session import Session
 from training.spec import CodecSpec
+from training.sync.codec import HEADER, Address, Codec
 
 KEY = bytes(range(32))
 SESSION = Session("run-a", bytes(range(16)), epoch=0)
@@ -93,7 +93,7 @@ def test_an_authentic_ternary_body_with_the_unused_code_is_refused(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Code 3 is no value: a key holder that sends it misbehaves (HostileReject)."""
-    import training.codec as codec
+    import training.sync.codec as codec
 
     def code3(x: torch.Tensor, block: int) -> tuple[bytes, torch.Tensor]:
         nb = -(-x.numel() // block)
@@ -184,7 +184,7 @@ def test_max_payload_bounds_every_quantizer_even_on_incompressible_values(
     quant: str, n: int
 ) -> None:
     """A receiver posts a buffer of max_payload before it knows the size
-    (training.linkprobe): no payload may be longer, whatever the values."""
+    (training.sync.linkprobe): no payload may be longer, whatever the values."""
     x = torch.randn(n, generator=torch.Generator().manual_seed(n)) * 1e3  # noise: no gain
     payload, _ = _codec(quant).encode(x, ADDR)
     receiver = _codec("int4")  # the bound does not depend on the receiver's own quantizer

@@ -13,13 +13,13 @@ import torch.distributed as dist
 from click.testing import CliRunner
 
 from geotrain.cli import cli
-from training.codec import Codec
-from training.diloco import DiLoCo, outer_hint, suggested_outer_lr
+from training.comm.topology import Groups, Topology, make_groups
 from training.gradsync import buckets, hierarchical_step, region_average_grads
-from training.hier import HierarchicalAllReduce
 from training.spec import CodecSpec, DilocoSpec, LaunchSpec
+from training.sync.codec import Codec
+from training.sync.diloco import DiLoCo, outer_hint, suggested_outer_lr
+from training.sync.hier import HierarchicalAllReduce
 from training.testing import PerBucket, make_spec, run_world
-from training.topology import Groups, Topology, make_groups
 
 pytestmark = pytest.mark.timeout(120)
 KEY = bytes(range(32))

@@ -14,14 +14,14 @@ from click.testing import CliRunner
 from pydantic import ValidationError
 
 from geotrain.cli import cli
-from training.codec import Codec
-from training.diloco import DiLoCo
+from training.comm.topology import Topology, make_groups
 from training.errors import SpecError
 from training.gradsync import buckets
-from training.hier import HierarchicalAllReduce
 from training.spec import CodecSpec, DilocoSpec
+from training.sync.codec import Codec
+from training.sync.diloco import DiLoCo
+from training.sync.hier import HierarchicalAllReduce
 from training.testing import PerBucket, make_spec, run_world
-from training.topology import Topology, make_groups
 
 pytestmark = pytest.mark.timeout(120)
 KEY = bytes(range(32))
@@ -90,7 +90,7 @@ class _FailsOnce(_Peer):
 
 
 def test_a_merge_that_fails_midway_and_runs_again_updates_the_drift_once() -> None:
-    """training.ft_loop runs a failed round again: c and c_i come out as from one merge."""
+    """training.ft.loop runs a failed round again: c and c_i come out as from one merge."""
     spec = DilocoSpec(every_steps=2, outer_lr=1.0, outer_momentum=0.0, drift_correction=SCAFFOLD)
     own, other = torch.tensor([1.0, 2.0]), torch.tensor([3.0, -1.0])
 

@@ -13,15 +13,15 @@ import torch
 from click.testing import CliRunner
 
 from geotrain.cli import cli
-from training.codec import Codec
-from training.diloco import DiLoCo, split_fragments
+from training.comm.topology import Topology, make_groups
 from training.errors import SpecError
 from training.gradsync import buckets
-from training.hier import HierarchicalAllReduce
 from training.spec import CodecSpec, DilocoSpec, LaunchSpec
-from training.streaming import twin
+from training.sync.codec import Codec
+from training.sync.diloco import DiLoCo, split_fragments
+from training.sync.hier import HierarchicalAllReduce
+from training.sync.streaming import twin
 from training.testing import PerBucket, make_spec, run_world
-from training.topology import Topology, make_groups
 
 pytestmark = pytest.mark.timeout(120)
 KEY = bytes(range(32))

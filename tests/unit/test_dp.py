@@ -1,4 +1,4 @@
-"""Record-level differential privacy per region (training/privacy.py): the accountant
+"""Record-level differential privacy per region (training/privacy/dpsgd.py): the accountant
 against Opacus's, per-record clipping, the noise, Poisson sampling, the stack key, the
 launch spec, metrics and report, and the dp-required policy. The all-rank stop on a spent
 budget runs on real processes in tests/integration/test_privacy_run.py."""
@@ -24,11 +24,13 @@ from infra.plan import build_plan
 from infra.render.runtime import render_launch_spec
 from policies.rules import ALL, TRAINING, config_from_policy_settings
 from policies.runner import _opts
-from training import metric_names as mn
+from training.comm.topology import Topology
 from training.errors import ConfigError, SpecError
-from training.metrics import RuntimeMetrics
-from training.model import DeepSeekLM, ModelConfig
-from training.privacy import (
+from training.models.deepseek import DeepSeekLM, ModelConfig
+from training.observe import metric_names as mn
+from training.observe.metrics import RuntimeMetrics
+from training.observe.report import EventLog, format_report, summarize
+from training.privacy.dpsgd import (
     Budget,
     PoissonLoader,
     RegionPrivacy,
@@ -36,10 +38,8 @@ from training.privacy import (
     epsilon_floor,
     private_backward,
 )
-from training.report import EventLog, format_report, summarize
 from training.spec import LaunchSpec, PrivacySpec
 from training.testing import make_spec
-from training.topology import Topology
 
 SPEC = PrivacySpec(target_epsilon=4.0, delta=1e-6, max_grad_norm=1.0)
 

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from training.codec import Codec
+from training.comm.topology import Topology, make_groups
 from training.gradsync import (
     GradBuffer,
     buckets,
@@ -20,11 +20,11 @@ from training.gradsync import (
     put,
     region_average_grads,
 )
-from training.hier import HierarchicalAllReduce
-from training.model import build_model
+from training.models.deepseek import build_model
 from training.spec import CodecSpec
+from training.sync.codec import Codec
+from training.sync.hier import HierarchicalAllReduce
 from training.testing import make_spec, run_world
-from training.topology import Topology, make_groups
 
 pytestmark = pytest.mark.timeout(180)
 REGIONS, LOCAL = 3, 2

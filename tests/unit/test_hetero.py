@@ -1,5 +1,5 @@
 """Heterogeneous pools: regions of different sizes, the sample-weighted merge, and the
-throughput balance's assignment (training.topology, training.hier, training.balance)."""
+throughput balance's assignment (training.comm.topology, training.sync.hier, training.balance)."""
 
 from __future__ import annotations
 
@@ -14,12 +14,12 @@ from infra.model import load_stack
 from infra.model.load import STACKS_DIR
 from infra.plan import build_plan
 from infra.render import render_launch_spec
-from training.balance import Balancer, assign, fit
-from training.codec import Codec
-from training.hier import HierarchicalAllReduce, flat_average
+from training.comm.topology import Topology, make_groups
 from training.spec import CodecSpec
+from training.sync.balance import Balancer, assign, fit
+from training.sync.codec import Codec
+from training.sync.hier import HierarchicalAllReduce, flat_average
 from training.testing import make_spec, run_world
-from training.topology import Topology, make_groups
 
 pytestmark = pytest.mark.timeout(120)
 KEY = bytes(range(32))

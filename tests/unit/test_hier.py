@@ -7,13 +7,13 @@ from typing import Any
 import pytest
 import torch
 
-from training.codec import Codec
+from training.comm.topology import Topology, make_groups
 from training.errors import PayloadRejected, SpecError
-from training.hier import HierarchicalAllReduce, HookState, ddp_comm_hook, flat_average
-from training.linkprobe import LENGTH, message, payload_of
 from training.spec import CodecSpec
+from training.sync.codec import Codec
+from training.sync.hier import HierarchicalAllReduce, HookState, ddp_comm_hook, flat_average
+from training.sync.linkprobe import LENGTH, message, payload_of
 from training.testing import make_spec, run_world
-from training.topology import Topology, make_groups
 
 pytestmark = pytest.mark.timeout(180)
 REGIONS, LOCAL = 3, 2

@@ -34,8 +34,8 @@ from infra.render import k8s, render_alert_rules, render_dashboard
 from infra.render.monitoring import RUNTIME_JOB
 from policies.rules import OVERLAY
 from tests.conftest import stack_doc
-from training import torchrun
 from training.errors import ConfigError, SpecError
+from training.launch import torchrun
 
 ROOT = Path(__file__).resolve().parents[2]
 CRDS = {p.stem: json.loads(p.read_text()) for p in (Path(__file__).parent / "crds").glob("*.json")}

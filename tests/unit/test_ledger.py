@@ -1,5 +1,5 @@
-"""The training ledger: chains written with training.ledger, checked with
-training.ledger_verify, and every kind of tampering named in one line."""
+"""The training ledger: chains written with training.audit.ledger, checked with
+training.audit.verify, and every kind of tampering named in one line."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ import pytest
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from training import ledger as L
+from training.audit import ledger as L
+from training.audit.verify import verify_run
 from training.errors import LedgerError
-from training.ledger_verify import verify_run
 
 REGIONS = ("beijing", "frankfurt", "silicon-valley")
 RUN = "run-test"

@@ -36,10 +36,10 @@ from infra.render import (
     secret_files,
 )
 from infra.render.monitoring import GRAFANA_DASHBOARDS, RULES_FILE
-from training import metric_names as mn
-from training import plot
 from training.errors import ConfigError
-from training.metrics import RuntimeMetrics
+from training.observe import metric_names as mn
+from training.observe import plot
+from training.observe.metrics import RuntimeMetrics
 
 PROMTOOL = shutil.which("promtool")
 AMTOOL = shutil.which("amtool")

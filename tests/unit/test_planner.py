@@ -19,8 +19,8 @@ from infra.planner import (
     format_plan,
     inputs_from_plan,
 )
-from training.diloco import rounds_in
-from training.model import preset
+from training.models.deepseek import preset
+from training.sync.diloco import rounds_in
 
 BASE = Inputs(
     active_params=7e9,

@@ -1,4 +1,4 @@
-"""training.quorum's validation and view, and training.heal's sealed transport."""
+"""training.ft.quorum's validation and view, and training.ft.heal's sealed transport."""
 
 from __future__ import annotations
 
@@ -22,14 +22,14 @@ from infra.model import load_stack
 from infra.model.load import STACKS_DIR as STACKS
 from infra.plan import build_plan
 from infra.render.runtime import render_launch_spec
-from training import launch
+from training.comm.topology import Topology
 from training.errors import ConfigError, SpecError, TransientReject
-from training.heal import SealedTransport, seal, unseal
-from training.metrics import RuntimeMetrics
-from training.quorum import arrived, lighthouse_for, validate, view
+from training.ft.heal import SealedTransport, seal, unseal
+from training.ft.quorum import arrived, lighthouse_for, validate, view
+from training.launch import launcher as launch
+from training.observe.metrics import RuntimeMetrics
 from training.spec import AdaptiveSpec, CodecSpec, FaultToleranceSpec, LaunchSpec, listeners
 from training.testing import make_spec, run_world
-from training.topology import Topology
 
 QUORUM_SERVICES = {"lighthouse", "region-store", "torchft-manager", "heal"}
 FT = FaultToleranceSpec(lighthouse="127.0.0.1:29510", min_replicas=2)
@@ -230,7 +230,7 @@ def test_lighthouse_ports_collide_only_with_what_runs_on_its_node(tmp_path: Path
 
 
 def test_a_lighthouse_port_in_use_is_one_line_naming_the_setting() -> None:
-    from training.quorum import start_lighthouse
+    from training.ft.quorum import start_lighthouse
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -260,7 +260,7 @@ def test_every_quorum_listener_is_listed_at_a_node_address_for_the_policy_facts(
     assert not [e for e in listeners(make_spec(2, 1)) if e["service"] in QUORUM_SERVICES]
 
 
-# -- torchrun restarts a failed region alone (training.launch, real torchrun agents) --------
+# -- torchrun restarts a failed region alone (training.launch.launcher, real torchrun agents) --
 STUB = """
 import json, os, sys, time
 node, codes, holds, until = sys.argv[1], *(a.split(",") for a in sys.argv[2:5])
@@ -298,7 +298,7 @@ def _supervise(
 ) -> tuple[launch.LaunchResult, Path]:
     """Every region's torchrun (one job per region) running STUB; `workers[node]`: exit
     codes per start, seconds each start holds, what it waits for first."""
-    from training.ft_testing import free_base
+    from training.ft.testing import free_base
 
     ft = replace(FT, store_port=free_base(len(sizes)))
     spec = make_spec(len(sizes), sizes, fault_tolerance=ft, max_restarts=2)

@@ -9,8 +9,8 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
+from training.comm.session import JOINED, wait_for_all
 from training.errors import RendezvousTimeout
-from training.session import JOINED, wait_for_all
 
 
 def _waiter(store: dist.Store, world: int, wait_s: float, out: list[BaseException | None]) -> None:

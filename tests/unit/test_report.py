@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from training.report import (
+from training.observe.report import (
     EventLog,
     Progress,
     complete_events,

@@ -1,4 +1,4 @@
-"""Secure aggregation (training.secagg): masks cancel bitwise, hide each contribution,
+"""Secure aggregation (training.sync.secagg): masks cancel bitwise, hide each contribution,
 never repeat; the masked sync equals the unmasked shared-scale sync; a missing region
 aborts the round with a typed error; bad settings are refused."""
 
@@ -15,13 +15,13 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from infra.model import load_stack
 from infra.plan import build_plan
 from infra.render.runtime import render_launch_spec
-from training.codec import Codec
+from training.comm.topology import Groups, Topology, make_groups
 from training.errors import ConfigError, RoundAborted, RoundReused, SpecError
-from training.hier import HierarchicalAllReduce
-from training.secagg import Masker, Round, SecureSum, ring_sum
 from training.spec import CodecSpec, LaunchSpec
+from training.sync.codec import Codec
+from training.sync.hier import HierarchicalAllReduce
+from training.sync.secagg import Masker, Round, SecureSum, ring_sum
 from training.testing import WorldError, make_spec, run_world
-from training.topology import Groups, Topology, make_groups
 
 pytestmark = pytest.mark.timeout(120)
 KEY = bytes(range(32))
@@ -162,7 +162,7 @@ def _rounds(rank: int, world: int) -> tuple[int, int]:
     """(cross-region collectives of the masked scatter, one-round exchanges) of a sync."""
     import torch.distributed as dist
 
-    import training.linkprobe as lp
+    import training.sync.linkprobe as lp
 
     sync = _sync(rank, True)
     sync.all_reduce(torch.randn(1001), step=0)  # the keys' exchange: not counted
@@ -194,7 +194,7 @@ class _Drops(SecureSum):
 
     def _exchange(self, xs: list[torch.Tensor], rnd: Round, stage: int) -> Any:
         if stage == 3 and self.topo.region_index == 2:
-            from training.linkprobe import bounded_all_to_all
+            from training.sync.linkprobe import bounded_all_to_all
 
             R = self.topo.regions
             limits = [self._wire_codec().max_payload(xs[2].numel())] * R

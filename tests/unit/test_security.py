@@ -27,10 +27,9 @@ import torch
 import torch.distributed as dist
 import yaml
 
-import training.codec as codec_mod
-from training import launch
-from training.checkpoint import ALLOW_ROLLBACK_ENV, Checkpointer, VerifiedReader, node_group
-from training.codec import HEADER, Address, Codec, _Header, _pack, _unpack
+import training.sync.codec as codec_mod
+from training.comm.session import Control, Session, agree, derive, link_info, rendezvous_store
+from training.comm.topology import Topology, make_groups
 from training.errors import (
     CheckpointError,
     HostileReject,
@@ -38,13 +37,14 @@ from training.errors import (
     SessionError,
     TransientReject,
 )
-from training.hier import HierarchicalAllReduce
 from training.job import previous_rejects
-from training.metrics import RuntimeMetrics
-from training.session import Control, Session, agree, derive, link_info, rendezvous_store
+from training.launch import launcher as launch
+from training.observe.metrics import RuntimeMetrics
 from training.spec import CodecSpec, listeners
+from training.state.checkpoint import ALLOW_ROLLBACK_ENV, Checkpointer, VerifiedReader, node_group
+from training.sync.codec import HEADER, Address, Codec, _Header, _pack, _unpack
+from training.sync.hier import HierarchicalAllReduce
 from training.testing import make_spec, run_world
-from training.topology import Topology, make_groups
 
 pytestmark = pytest.mark.timeout(240)
 KEY = bytes(range(32))
@@ -561,7 +561,7 @@ def test_a_hostile_reject_stops_the_job_and_a_transient_one_restarts_it(
 ) -> None:
     """Real torchrun agents, one per node (c10d rendezvous), running a stub worker."""
     from geotrain.commands import free_port
-    from training.keys import create_key_file
+    from training.state.keys import create_key_file
 
     spec = make_spec(2, 1, max_restarts=2, master_port=free_port())
     spec = dataclasses.replace(spec, key_file=str(tmp_path / "run.key"))

@@ -1,6 +1,6 @@
 """The topology-aware exchange: the planner on synthetic link matrices
-(training.exchange_plan), its settings and refusals, and real 3-region gloo worlds in which
-it must agree with the direct exchange (training.topo_exchange)."""
+(training.sync.exchange_plan), its settings and refusals, and real 3-region gloo worlds in which
+it must agree with the direct exchange (training.sync.topo_exchange)."""
 
 from __future__ import annotations
 
@@ -13,16 +13,16 @@ import torch
 from infra.model import load_stack
 from infra.plan import build_plan
 from infra.render.runtime import render_launch_spec
-from training.codec import Address, Codec
+from training.comm.session import Session
+from training.comm.topology import Topology, make_groups
 from training.errors import ConfigError, PayloadRejected, SpecError, TransientReject
-from training.exchange_plan import ExchangePlan, LinkMatrix, plan, predict
-from training.hier import HierarchicalAllReduce
-from training.linkprobe import Link
-from training.session import Session
 from training.spec import AdaptiveSpec, CodecSpec, LaunchSpec
+from training.sync.codec import Address, Codec
+from training.sync.exchange_plan import ExchangePlan, LinkMatrix, plan, predict
+from training.sync.hier import HierarchicalAllReduce
+from training.sync.linkprobe import Link
+from training.sync.topo_exchange import TopologyExchange, frame, relayout, unframe
 from training.testing import make_spec, run_world
-from training.topo_exchange import TopologyExchange, frame, relayout, unframe
-from training.topology import Topology, make_groups
 
 pytestmark = pytest.mark.timeout(180)
 KEY = bytes(range(32))
@@ -43,7 +43,7 @@ def _slow(pair: set[int], slow: float = 10 * MBIT, fast: float = 150 * MBIT) -> 
 
 def _bytes_on(p: ExchangePlan, a: int, b: int, values: int) -> float:
     """Bytes the plan puts on the link a - b (both ways, both stages, both rounds)."""
-    from training.exchange_plan import _gather_loads, _scatter_loads
+    from training.sync.exchange_plan import _gather_loads, _scatter_loads
 
     total = sum(p.weights)
     size = [values * w / total for w in p.weights]
@@ -275,7 +275,7 @@ def _rounds(rank: int, world: int) -> tuple[int, int]:
     """(size swaps on the cross-region group, bounded rounds) of one relayed exchange."""
     import torch.distributed as dist
 
-    import training.linkprobe as lp
+    import training.sync.linkprobe as lp
 
     topo = Topology.of(make_spec(REGIONS, 1), rank)
     groups = make_groups(topo, torch.device("cpu"))

@@ -1,4 +1,4 @@
-"""One torchrun per node (training.launch): its command line, and how a worker under c10d
+"""One torchrun per node (training.launch.launcher): its command line, and how a worker under c10d
 tells who it is. The runs themselves: tests/unit/test_security.py (real agents, a stub
 worker) and tests/integration/test_train_local.py (kill -9, job-wide restart)."""
 
@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from training import launch, torchrun
 from training.errors import GeotrainError, SpecError
+from training.launch import launcher as launch
+from training.launch import torchrun
 from training.spec import FaultToleranceSpec
 from training.testing import make_spec
 
@@ -95,7 +96,7 @@ def test_under_fault_tolerance_each_region_is_its_own_torchrun_job_at_its_own_st
 
 
 def test_a_node_waits_for_a_store_it_can_reach_from_its_own_address_then_names_it() -> None:
-    """Before its torchrun starts (training.launch.reach_store): a store another launcher
+    """Before its torchrun starts (training.launch.launcher.reach_store): a store another launcher
     hosts, reached from the node's own address; unreachable, one clear line."""
     import socket
 

@@ -11,7 +11,7 @@ from training.errors import ConfigError
 from training.spec import fault_tolerance_conflict
 
 HEARTBEAT_INTERVAL_S = 0.1
-"""torchft's Manager heartbeat interval (its default, which training.quorum keeps)."""
+"""torchft's Manager heartbeat interval (its default, which training.ft.quorum keeps)."""
 MIN_HEARTBEAT_TIMEOUT_S = 5 * HEARTBEAT_INTERVAL_S
 
 

@@ -11,7 +11,7 @@ from infra.model.schema import StackModel
 from training.errors import ConfigError
 
 K8S_WORKDIR = "/var/lib/geotrain"
-"""training.torchrun.WORKDIR: a pod's volume; files elsewhere die with the container."""
+"""training.launch.torchrun.WORKDIR: a pod's volume; files elsewhere die with the container."""
 K8S_LABEL_MAX = 63
 K8S_RUN_SUFFIX = 11
 """The run id is `<stack>-<10 hex digits>`; it names the run in labels and files."""

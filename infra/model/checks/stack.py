@@ -111,7 +111,7 @@ def pools(m: StackModel, source: str) -> None:
 
 
 def workers(m: StackModel, source: str) -> None:
-    """Regions may differ in GPU type and count (training.topology pairs the first
+    """Regions may differ in GPU type and count (training.comm.topology pairs the first
     min-region-size local ranks across regions), but one region's workers share one
     intra-region backend: NCCL for GPUs, gloo for CPU workers."""
     for i, r in enumerate(m.regions):
@@ -128,7 +128,7 @@ def workers(m: StackModel, source: str) -> None:
     for i, r in enumerate(m.regions):
         if r.privacy is None or r.privacy.noise_multiplier is not None:
             continue
-        from training.privacy import epsilon_floor  # torch and Opacus: only for DP stacks
+        from training.privacy.dpsgd import epsilon_floor  # torch and Opacus: only for DP stacks
 
         floor = epsilon_floor(r.privacy.delta, m.training.steps)
         if r.privacy.target_epsilon < floor:

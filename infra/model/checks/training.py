@@ -156,7 +156,7 @@ def _streaming(m: StackModel, source: str) -> None:
             f"{d.tau} must be < inner_steps ({h}): a fragment's merge must land before its next",
         )
     if d.fragments > 1:
-        from training.model import sync_bucket_count  # torch: only for streaming stacks
+        from training.models.deepseek import sync_bucket_count  # torch: only for streaming stacks
 
         t = m.training
         count = sync_bucket_count(t.model, t.bucket_mb)

@@ -1,0 +1,183 @@
+"""Building a training rank's `Job`: the checks before any collective, the process
+groups, the model, the codec's sync, the checkpointer, the ledger and the metrics server."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from training import resume
+from training.audit import hooks as ledger_hooks
+from training.comm import gloo
+from training.comm.session import Control, agree, rendezvous_store, wait_for_all
+from training.comm.topology import Topology, make_groups
+from training.data.loader import ByteLoader, load_region_text
+from training.errors import DataError, SpecError
+from training.job import Job, previous_rejects
+from training.launch import torchrun
+from training.models.deepseek import DeepSeekLM, preset
+from training.observe.metrics import RuntimeMetrics
+from training.privacy.dpsgd import RegionPrivacy
+from training.spec import LaunchSpec, metrics_endpoint
+from training.state.checkpoint import ALLOW_ROLLBACK_ENV, Checkpointer, node_group, node_root
+from training.state.keys import load_key
+from training.sync import balance, streaming
+from training.sync.buckets import GradBuffer, buckets
+from training.sync.codec import Codec
+from training.sync.diloco import DiLoCo
+from training.sync.hier import HierarchicalAllReduce
+from training.sync.topo_exchange import TopologyExchange
+
+RENDEZVOUS_TIMEOUT_S = 600
+"""How long the global store waits for every rank to join."""
+
+
+def preflight(spec: LaunchSpec, node_name: str, local_rank: int) -> tuple[int, bytes, bytes]:
+    """Checks before any collective: returns (rank, key, region text)."""
+    region, node = spec.node(node_name)
+    if not 0 <= local_rank < node.nprocs:
+        raise SpecError(
+            f"local rank {local_rank} is outside node {node_name}'s {node.nprocs} workers"
+        )
+    world = int(os.environ.get("WORLD_SIZE", spec.world_size))
+    # under torchrun, training.launch.torchrun.from_env checked it against its job's world (under
+    # fault_tolerance the region's)
+    if world != spec.world_size and "TORCHELASTIC_RUN_ID" not in os.environ:
+        raise SpecError(
+            f"WORLD_SIZE={world} but the spec of run {spec.run_id} has "
+            f"{spec.world_size} workers; re-render the spec or fix the launcher"
+        )
+    key = load_key(spec.key_file)
+    idx = [r.name for r in spec.regions].index(region.name)
+    text = load_region_text(region, idx, len(spec.regions))
+    if len(text) < spec.seq_len + 2:  # a window is seq_len + 1 bytes, drawn from [0, n - it)
+        raise DataError(
+            f"region {region.name}'s data is {len(text)} bytes, too short for one sequence "
+            f"of seq_len {spec.seq_len} plus its target byte; lower "
+            "geotrain:training.seq_len or give the region more data"
+        )
+    return node.first_rank + local_rank, key, text
+
+
+def build_model(spec: LaunchSpec) -> DeepSeekLM:
+    """The spec's preset with a RoPE table that covers seq_len. The table is a
+    non-persistent buffer drawn from no RNG: weights and checkpoints do not change."""
+    c = preset(spec.model)
+    return DeepSeekLM(dataclasses.replace(c, max_seq=max(c.max_seq, spec.seq_len)))
+
+
+def make_checkpointer(
+    spec: LaunchSpec, node_name: str, key: bytes, state_dir: Path | None = None
+) -> Checkpointer:
+    """Per-node checkpoints (see training.checkpoint). Two dedicated gloo groups: async
+    saves never block the training groups. Every rank creates both in the same order.
+    `state_dir`: where the node's high-water record lives (the run dir; None: the root)."""
+    region, node = spec.node(node_name)
+    world = dist.new_group(backend=gloo.backend())
+    spans = [
+        list(range(n.first_rank, n.first_rank + n.nprocs)) for r in spec.regions for n in r.nodes
+    ]
+    group = node_group(spans)
+    root = node_root(spec.checkpoint.dir, spec.stack, node.name, region.name)
+    return Checkpointer(
+        root,
+        node.name,
+        spec.run_id,
+        key,
+        spec.checkpoint.keep,
+        group=group,
+        world=world,
+        state_dir=state_dir,
+        allow_rollback=os.environ.get(ALLOW_ROLLBACK_ENV) == "1",
+        stack=spec.stack,
+    )
+
+
+def setup(
+    spec: LaunchSpec,
+    node_name: str,
+    local_rank: int,
+    events: Path | None,
+    run_dir: Path | None = None,
+) -> Job:
+    rank, key, text = preflight(spec, node_name, local_rank)
+    region, node = spec.node(node_name)
+    # every gloo group listens on, and advertises, the node's private address only (a
+    # host's LAN interface may also hold its public address: see training/comm/gloo.py)
+    glo = gloo.bind(node.host)
+    device = torch.device("cuda", local_rank) if node.device == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    # hosts start their workers as their agents finish, minutes apart on a big fleet;
+    # the store waits that long for every rank to join (collectives keep 120 s)
+    wait = timedelta(seconds=RENDEZVOUS_TIMEOUT_S)
+    # the store listens on the master address only (TCPStore alone binds every interface)
+    store = torchrun.torchrun_store(spec.world_size, wait)
+    if store is None:  # under torchrun, its rendezvous already waited for every node
+        store = rendezvous_store(
+            spec.master_addr, spec.master_port, spec.world_size, rank == 0, wait
+        )
+        wait_for_all(store, spec.world_size, wait)
+    backend = f"cpu:{glo},cuda:nccl" if device.type == "cuda" else glo
+    dist.init_process_group(
+        backend, store=store, rank=rank, world_size=spec.world_size, timeout=timedelta(seconds=120)
+    )
+    topo = Topology.of(spec, rank)
+    groups = make_groups(topo, device)
+    ckpt = make_checkpointer(spec, node_name, key, run_dir)
+    # a fresh session every start, and an epoch one past the highest any node recorded
+    session = agree(key, spec.run_id, ckpt.stored_epoch)
+    ckpt.start(session)
+    torch.manual_seed(spec.seed)  # identical initial weights on every rank
+    model = build_model(spec).to(device)
+    codec = Codec(spec.codec, key, session)
+    sync = HierarchicalAllReduce(
+        topo,
+        groups,
+        codec,
+        spec.run_id,
+        error_feedback=spec.codec.error_feedback,
+        allgather=spec.exchange == "allgather",
+    )
+    sync.planner = TopologyExchange.for_spec(spec)  # exchange: topology (None: direct)
+    sync.probe()  # every cross-region link's bandwidth and RTT (training.sync.linkprobe)
+    privacy = RegionPrivacy.for_rank(spec, topo, text, device)
+    job = Job(
+        spec=spec,
+        topo=topo,
+        groups=groups,
+        model=model,
+        opt=torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=0.01),
+        loader=privacy.loader
+        if privacy
+        else ByteLoader.of(text, spec.batch_size, spec.seq_len, spec.seed * 1000 + rank),
+        sync=sync,
+        ckpt=ckpt,
+        metrics=RuntimeMetrics(region.name, node.name, rank),
+        events=events,
+        node=node.name,
+        control=Control(key, session, "steps"),
+        privacy=privacy,
+        balance=balance.for_job(spec, topo, Control(key, session, "balance")),
+        grads=GradBuffer.of(model) if privacy is None else None,
+    )
+    job.metrics.reject(previous_rejects(events, rank))  # the count survives restarts
+    job.ledger = ledger_hooks.open_for(spec, topo, key, session, run_dir, node.name)
+
+    def on_commit(step: int) -> None:
+        job.emit("committed", node=node.name, step=step)
+        ledger_hooks.committed(job, step)
+
+    ckpt.on_commit = on_commit
+    if spec.sync == "diloco":
+        params = buckets(list(model.parameters()), spec.bucket_mb)
+        stream = streaming.twin(sync) if spec.diloco.tau > 0 else None  # its own groups
+        job.diloco = DiLoCo(params, spec.diloco, sync, stream)
+    resume.prime(job)
+    job.metrics.serve(*metrics_endpoint(spec, node, local_rank))
+    return job
