@@ -149,9 +149,7 @@ def estimate(i: Inputs) -> list[Estimate]:
 
 
 def inputs_from_plan(plan: Plan, mfu: float, tokens: float | None = None) -> Inputs:
-    """The estimate's inputs from a stack: its model preset, fleet, links and codec."""
-    from training.models.deepseek import preset
-
+    """The estimate's inputs from a stack: its model, fleet, links and codec."""
     if not 0 < mfu <= 1:
         raise PlanInputError(f"--mfu must be in (0, 1], got {mfu}; 0.4 is a good large run")
     t = plan.training
@@ -167,7 +165,7 @@ def inputs_from_plan(plan: Plan, mfu: float, tokens: float | None = None) -> Inp
     usd = sum(prices[n.gpu_type] * n.gpus for n in plan.nodes) / gpus
     per_step = gpus * t.batch_size * t.seq_len
     links = [link.bandwidth_mbps / 1000 for link in plan.network.links] or [float("inf")]
-    n = active_parameters(preset(t.model))
+    n = _active(t.model, t.seq_len)
     if tokens is not None and 0 < tokens < per_step:  # not positive: estimate() says so
         raise PlanInputError(
             f"--tokens {tokens:g} is less than one step of stack {plan.stack} ({per_step:,} "
@@ -197,6 +195,27 @@ def inputs_from_plan(plan: Plan, mfu: float, tokens: float | None = None) -> Inp
         warmup_steps=t.diloco.warmup_steps,
         exchange=t.exchange,
     )
+
+
+def _active(ref: str, seq_len: int) -> float:
+    """Active parameters of the stack's model: a preset's (routed experts counted at
+    top_k / experts), or an hf: directory's total (its routing is not modelled: a MoE's
+    compute is over-counted); a python: factory's module is known only to the workers."""
+    from training.models.deepseek import preset
+
+    if ref.startswith("hf:"):
+        from training.models.hf import hf_facts
+
+        n = hf_facts(ref[3:], seq_len=seq_len)["num_params"]
+        if n is None:
+            raise PlanInputError(f"cannot count the parameters of {ref}; plan with a preset")
+        return float(n)
+    if ref.startswith("python:"):
+        raise PlanInputError(
+            f"geotrain plan cannot count the parameters of {ref} (the factory runs on the "
+            "hosts); plan with the preset or hf: directory closest in size"
+        )
+    return active_parameters(preset(ref))
 
 
 def active_parameters(config: object) -> float:

@@ -11,13 +11,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from training.audit.ledger import Ledger
 from training.comm.session import Control, Pending
 from training.comm.topology import Groups, Topology
 from training.data.loader import ByteLoader
+from training.data.tokens import MixtureLoader, TokenLoader
 from training.errors import HostileReject, PayloadRejected
-from training.models.deepseek import DeepSeekLM
 from training.observe.metrics import RuntimeMetrics
 from training.privacy.dpsgd import PoissonLoader, RegionPrivacy
 from training.spec import LaunchSpec
@@ -37,9 +38,9 @@ class Job:
     spec: LaunchSpec
     topo: Topology
     groups: Groups
-    model: DeepSeekLM
+    model: nn.Module
     opt: torch.optim.Optimizer
-    loader: ByteLoader | PoissonLoader
+    loader: ByteLoader | TokenLoader | MixtureLoader | PoissonLoader
     sync: HierarchicalAllReduce
     ckpt: Checkpointer
     metrics: RuntimeMetrics

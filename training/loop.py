@@ -7,6 +7,7 @@ import hashlib
 import json
 import os
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ from training.errors import (
 )
 from training.gradsync import merge, region_average_grads, sync_grads, zero_grads
 from training.job import Job, rejected
+from training.models.build import lm_loss
 from training.privacy.dpsgd import (
     Stop,
     agreed_stop,
@@ -103,10 +105,10 @@ def train_step(job: Job) -> None:
     zero_grads(job)
     c0 = time.perf_counter()  # compute: forward, backward, optimizer (utilisation)
     if job.privacy is not None:  # per-record clipped, noised: see training.privacy
-        loss = job.privacy.clipped_noisy_grads(job.model, tokens, job.model.loss)
+        loss = job.privacy.clipped_noisy_grads(job.model, tokens, partial(lm_loss, job.model))
         job.privacy.budget.record()
     else:
-        batch_loss = job.model.loss(tokens)
+        batch_loss = lm_loss(job.model, tokens)
         batch_loss.backward()
         loss = batch_loss.item()
     compute = time.perf_counter() - c0

@@ -3,7 +3,6 @@ groups, the model, the codec's sync, the checkpointer, the ledger and the metric
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from datetime import timedelta
 from pathlib import Path
@@ -16,11 +15,9 @@ from training.audit import hooks as ledger_hooks
 from training.comm import gloo
 from training.comm.session import Control, agree, rendezvous_store, wait_for_all
 from training.comm.topology import Topology, make_groups
-from training.data.loader import ByteLoader, load_region_text
-from training.errors import DataError, SpecError
+from training.errors import SpecError
 from training.job import Job, previous_rejects
 from training.launch import torchrun
-from training.models.deepseek import DeepSeekLM, preset
 from training.observe.metrics import RuntimeMetrics
 from training.privacy.dpsgd import RegionPrivacy
 from training.spec import LaunchSpec, metrics_endpoint
@@ -32,13 +29,14 @@ from training.sync.codec import Codec
 from training.sync.diloco import DiLoCo
 from training.sync.hier import HierarchicalAllReduce
 from training.sync.topo_exchange import TopologyExchange
+from training.workload import agree_weights, loader_for, model_for, region_text
 
 RENDEZVOUS_TIMEOUT_S = 600
 """How long the global store waits for every rank to join."""
 
 
-def preflight(spec: LaunchSpec, node_name: str, local_rank: int) -> tuple[int, bytes, bytes]:
-    """Checks before any collective: returns (rank, key, region text)."""
+def preflight(spec: LaunchSpec, node_name: str, local_rank: int) -> tuple[int, bytes, bytes | None]:
+    """Checks before any collective: returns (rank, key, region text; None: token shards)."""
     region, node = spec.node(node_name)
     if not 0 <= local_rank < node.nprocs:
         raise SpecError(
@@ -53,22 +51,8 @@ def preflight(spec: LaunchSpec, node_name: str, local_rank: int) -> tuple[int, b
             f"{spec.world_size} workers; re-render the spec or fix the launcher"
         )
     key = load_key(spec.key_file)
-    idx = [r.name for r in spec.regions].index(region.name)
-    text = load_region_text(region, idx, len(spec.regions))
-    if len(text) < spec.seq_len + 2:  # a window is seq_len + 1 bytes, drawn from [0, n - it)
-        raise DataError(
-            f"region {region.name}'s data is {len(text)} bytes, too short for one sequence "
-            f"of seq_len {spec.seq_len} plus its target byte; lower "
-            "geotrain:training.seq_len or give the region more data"
-        )
+    text = region_text(spec, region)
     return node.first_rank + local_rank, key, text
-
-
-def build_model(spec: LaunchSpec) -> DeepSeekLM:
-    """The spec's preset with a RoPE table that covers seq_len. The table is a
-    non-persistent buffer drawn from no RNG: weights and checkpoints do not change."""
-    c = preset(spec.model)
-    return DeepSeekLM(dataclasses.replace(c, max_seq=max(c.max_seq, spec.seq_len)))
 
 
 def make_checkpointer(
@@ -133,8 +117,9 @@ def setup(
     # a fresh session every start, and an epoch one past the highest any node recorded
     session = agree(key, spec.run_id, ckpt.stored_epoch)
     ckpt.start(session)
-    torch.manual_seed(spec.seed)  # identical initial weights on every rank
-    model = build_model(spec).to(device)
+    model, tokenizer = model_for(spec)  # seeded: identical initial weights on every rank
+    agree_weights(spec, model, Control(key, session, "weights"))  # loaded weights too
+    model = model.to(device)
     codec = Codec(spec.codec, key, session)
     sync = HierarchicalAllReduce(
         topo,
@@ -146,16 +131,15 @@ def setup(
     )
     sync.planner = TopologyExchange.for_spec(spec)  # exchange: topology (None: direct)
     sync.probe()  # every cross-region link's bandwidth and RTT (training.sync.linkprobe)
-    privacy = RegionPrivacy.for_rank(spec, topo, text, device)
+    # token shards with privacy were refused in preflight (region_text)
+    privacy = RegionPrivacy.for_rank(spec, topo, text, device) if text is not None else None
     job = Job(
         spec=spec,
         topo=topo,
         groups=groups,
         model=model,
         opt=torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=0.01),
-        loader=privacy.loader
-        if privacy
-        else ByteLoader.of(text, spec.batch_size, spec.seq_len, spec.seed * 1000 + rank),
+        loader=privacy.loader if privacy else loader_for(spec, region, text, rank, tokenizer),
         sync=sync,
         ckpt=ckpt,
         metrics=RuntimeMetrics(region.name, node.name, rank),

@@ -53,7 +53,9 @@ class ShardSpec:
     jurisdiction: str
     """Jurisdiction of the raw data."""
     uri: str
-    """pydoc-topics:auto | file:/path."""
+    """pydoc-topics:auto | file:/path (bytes) | tokens:/dir (`geotrain data prepare`)."""
+    weight: Positive = 1.0
+    """Share of this shard's sequences in its region's mixture (tokens: shards)."""
 
 
 @dataclass(frozen=True, config=_STRICT)
@@ -340,7 +342,10 @@ class LaunchSpec:
     regions: list[RegionSpec]
     """Regions in rank order."""
     model: str = "deepseek-tiny"
-    """Model preset."""
+    """A preset name, `hf:<dir>` or `python:<module>:<callable>` (training.models.build)."""
+    tokenizer: str | None = None
+    """`bytes`, a tokenizer.json file or a directory holding one (training.data.tokenizer);
+    None: the hf: model directory's tokenizer.json when it has one, else bytes."""
     sync: SyncMode = "allreduce"
     """allreduce | diloco."""
     steps: Count = 60

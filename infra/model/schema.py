@@ -403,12 +403,23 @@ class DataShard(Strict):
     region: str
     """Region whose workers read the shard."""
     uri: str = "pydoc-topics:auto"
-    """`pydoc-topics:auto` (Python's bundled docs, split per region) or `file:/path`."""
+    """`pydoc-topics:auto` (Python's bundled docs, split per region), `file:/path` (raw text,
+    byte tokens) or `tokens:/dir` (token shards made by `geotrain data prepare`)."""
+    weight: float = Field(default=1.0, gt=0)
+    """Share of this shard's sequences in its region's mixture (tokens: shards only)."""
+    source: str | None = None
+    """Raw text a tokens: shard is prepared from on the region's hosts (`geotrain data
+    prepare --stack S`): `pydoc-topics:auto` or `file:/path`."""
 
 
 class Training(Strict):
-    model: Literal["deepseek-tiny", "deepseek-small", "deepseek-base"] = "deepseek-tiny"
-    """Model preset (see training.model.PRESETS)."""
+    model: str = "deepseek-tiny"
+    """A preset (deepseek-tiny, deepseek-small, deepseek-base: training.models.deepseek),
+    `hf:<dir>` (a local Hugging Face model directory) or `python:<module>:<callable>` (the
+    lab's factory returning an nn.Module)."""
+    tokenizer: str | None = None
+    """`bytes`, a tokenizer.json file, or a directory holding one; unset: the hf: model
+    directory's tokenizer.json when it has one, else bytes."""
     sync: SyncMode = "allreduce"
     """allreduce every step, or diloco periodic global merge."""
     steps: int = Field(default=60, ge=1)

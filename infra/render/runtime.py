@@ -44,7 +44,7 @@ def render_launch_spec(plan: Plan) -> LaunchSpec:
                 for n in r.nodes
             ],
             shards=[
-                ShardSpec(name=s.name, jurisdiction=s.jurisdiction, uri=s.uri)
+                ShardSpec(name=s.name, jurisdiction=s.jurisdiction, uri=s.uri, weight=s.weight)
                 for s in t.data_shards
                 if s.region == r.name
             ],
@@ -61,6 +61,7 @@ def render_launch_spec(plan: Plan) -> LaunchSpec:
         master_port=plan.master_port,
         regions=regions,
         model=t.model,
+        tokenizer=t.tokenizer,
         sync=t.sync,
         steps=t.steps,
         batch_size=t.batch_size,

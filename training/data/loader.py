@@ -32,7 +32,7 @@ def load_region_text(region: RegionSpec, region_index: int, regions: int) -> byt
                 f"{region.name} is in {region.jurisdiction}; data must stay in "
                 "its jurisdiction"
             )
-        parts.append(_read(s.uri, s.name, region_index, regions))
+        parts.append(read_shard(s.uri, s.name, region_index, regions))
     text = b"\n".join(parts)
     if len(text) < 4096:
         raise DataError(
@@ -41,12 +41,10 @@ def load_region_text(region: RegionSpec, region_index: int, regions: int) -> byt
     return text
 
 
-def _read(uri: str, name: str, index: int, regions: int) -> bytes:
+def read_shard(uri: str, name: str, index: int, regions: int) -> bytes:
+    """One raw shard's bytes: the region's share of Python's docs, or a file or directory."""
     if uri.startswith("pydoc-topics:"):
-        from pydoc_data.topics import topics
-
-        keys = sorted(topics)[index::regions]
-        return "\n\n".join(topics[k] for k in keys).encode("utf-8")
+        return "\n\n".join(pydoc_topics(index, regions)).encode("utf-8")
     if uri.startswith("file:"):
         path = Path(uri[len("file:") :])
         files = sorted(path.glob("**/*.txt")) if path.is_dir() else [path]
@@ -63,6 +61,13 @@ def _read(uri: str, name: str, index: int, regions: int) -> bytes:
                 "its permissions or point the shard elsewhere"
             ) from None
     raise DataError(f"shard {name}: unsupported uri '{uri}'; use pydoc-topics:auto or file:")
+
+
+def pydoc_topics(index: int, regions: int) -> list[str]:
+    """Region `index`'s topics of Python's bundled docs: round-robin, so regions are disjoint."""
+    from pydoc_data.topics import topics
+
+    return [topics[k] for k in sorted(topics)[index::regions]]
 
 
 class Position:

@@ -96,6 +96,16 @@ class HFTokenizer:
         return str(self._tok.decode(ids, skip_special_tokens=False))
 
 
+def tokenizer_for(model: str, tokenizer: str | None) -> str:
+    """The tokenizer a run uses: the one it names; unset, an `hf:` model directory's
+    tokenizer.json when it has one, else bytes (what the presets embed)."""
+    if tokenizer is not None:
+        return tokenizer
+    if model.startswith("hf:") and (Path(model[3:]) / "tokenizer.json").is_file():
+        return model[3:]
+    return BYTES
+
+
 def load_tokenizer(ref: str | Path | None) -> TextTokenizer:
     """None or "bytes": the byte tokenizer; a tokenizer.json file; or a directory holding
     tokenizer.json (a Hugging Face model directory, whose tokenizer_config.json may name

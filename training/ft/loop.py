@@ -19,16 +19,17 @@ from training import loop as lp
 from training import resume as st
 from training.comm.session import Control, agree, wait_for_all
 from training.comm.topology import Groups, Topology
-from training.data.loader import ByteLoader
 from training.ft.quorum import MERGE, STEP, Quorum, region_checkpointer, region_world, validate
 from training.job import Job
+from training.models.build import lm_loss
 from training.observe.metrics import RuntimeMetrics
-from training.setup import RENDEZVOUS_TIMEOUT_S, build_model, preflight
+from training.setup import RENDEZVOUS_TIMEOUT_S, preflight
 from training.spec import LaunchSpec, metrics_endpoint
 from training.sync.buckets import GradBuffer, buckets, flat_grads, put
 from training.sync.codec import Codec
 from training.sync.diloco import DiLoCo
 from training.sync.hier import HierarchicalAllReduce
+from training.workload import loader_for, model_for
 
 
 def setup(
@@ -46,8 +47,8 @@ def setup(
     ckpt = region_checkpointer(spec, topo, node.name, key, run_dir)
     session = agree(key, spec.run_id, ckpt.stored_epoch)  # the region's: checkpoints, flags
     ckpt.start(session)
-    torch.manual_seed(spec.seed)
-    model = build_model(spec)
+    # seeded; a region that joins late heals the live weights from a peer (training.ft.heal)
+    model, tokenizer = model_for(spec)
     # the region-only sync: holds the run's counters and the checkpointed residuals;
     # the quorum's syncs (training.ft.quorum) do the exchanges
     sync = HierarchicalAllReduce(topo, groups, Codec(spec.codec, key, session), spec.run_id)
@@ -57,7 +58,7 @@ def setup(
         groups=groups,
         model=model,
         opt=torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=0.01),
-        loader=ByteLoader.of(text, spec.batch_size, spec.seq_len, spec.seed * 1000 + rank),
+        loader=loader_for(spec, region, text, rank, tokenizer),
         sync=sync,
         ckpt=ckpt,
         metrics=RuntimeMetrics(region.name, node.name, rank),
@@ -189,7 +190,7 @@ def train_step(job: Job, q: Quorum) -> None:
     tokens = job.loader.next()
     gs.zero_grads(job)
     c0 = time.perf_counter()  # compute: forward, backward, optimizer (utilisation)
-    loss = job.model.loss(tokens)
+    loss = lm_loss(job.model, tokens)
     loss.backward()
     compute = time.perf_counter() - c0
     lp.staged(job)

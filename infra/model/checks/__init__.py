@@ -16,6 +16,7 @@ from infra.model.checks import (
     runtime,
     stack,
     training,
+    workload,
 )
 from infra.model.checks.common import SINGLE_MACHINE_KINDS
 from infra.model.checks.hints import idle_settings
@@ -37,6 +38,7 @@ def check_model(m: StackModel, source: str) -> None:
         stack.tags,
         training.shards,
         training.settings,  # and fault_tolerance.check, after the sync settings
+        workload.check,
         monitoring.check,  # and fault_tolerance.quorum_ports
         stack.policy,
         runtime.check,

@@ -38,11 +38,12 @@ def shards(m: StackModel, source: str) -> None:
                 f"{s.jurisdiction} data but region {s.region} is in "
                 f"{region.jurisdiction}; data must stay in its jurisdiction: {hint}",
             )
-        if not (s.uri == "pydoc-topics:auto" or s.uri.startswith("file:")):
+        if not (s.uri == "pydoc-topics:auto" or s.uri.startswith(("file:", "tokens:"))):
             raise err(
                 source,
                 f"training.data_shards[{i}].uri",
-                f"unsupported uri '{s.uri}'; use pydoc-topics:auto or file:/path/to/text",
+                f"unsupported uri '{s.uri}'; use pydoc-topics:auto, file:/path/to/text or "
+                "tokens:/prepared/dir (geotrain data prepare)",
             )
         if s.uri.strip() in ("file:", "file:.", "file:./"):  # every .txt under the launch dir
             raise err(

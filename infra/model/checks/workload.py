@@ -1,0 +1,115 @@
+"""The lab's workload: the model reference (preset, hf:<dir>, python:<module>:<callable>),
+its tokenizer against the model's embedding, and prepared token shards against the
+tokenizer. Directories are read only where they are on this machine (the single-machine
+kinds); on a fleet they live on the hosts, and the workers check the same at start."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from infra.model.checks.common import SINGLE_MACHINE_KINDS, err
+from infra.model.schema import StackModel
+from training.data.tokenizer import BYTES
+from training.errors import GeotrainError
+
+PRESETS = ("deepseek-tiny", "deepseek-small", "deepseek-base")
+PRESET_VOCAB = 256
+"""The presets embed bytes."""
+_FACTORY = re.compile(r"python:[A-Za-z_][\w.]*:[A-Za-z_][\w.]*")
+
+
+def check(m: StackModel, source: str) -> None:
+    t = m.training
+    ref = t.model
+    if ref not in PRESETS and not ref.startswith("hf:") and not _FACTORY.fullmatch(ref):
+        raise err(
+            source,
+            "training.model",
+            f"unknown model '{ref}'; use a preset ({', '.join(PRESETS)}), hf:<model dir> "
+            "or python:<module>:<callable>",
+        )
+    if ref.startswith("hf:") and not ref[3:].strip():
+        raise err(source, "training.model", "hf: names no directory; use hf:/path/to/model")
+    if not all(r.pool.kind in SINGLE_MACHINE_KINDS for r in m.regions):
+        return  # the directories are on the hosts; the workers check them at start
+    vocab = _embedding_rows(ref, source, t.seq_len)
+    tokenizer = _tokenizer(m, source)
+    if vocab is not None and tokenizer is not None and tokenizer[1] > vocab:
+        raise err(
+            source,
+            "training.tokenizer",
+            f"tokenizer {tokenizer[2]} has {tokenizer[1]} tokens but model {ref} embeds "
+            f"{vocab}; use the model's own tokenizer or a model with a larger vocab_size",
+        )
+    digest = tokenizer[0] if tokenizer is not None else None
+    for i, s in enumerate(t.data_shards):
+        where = f"training.data_shards[{i}].uri"
+        if s.source is not None and not s.uri.startswith("tokens:"):
+            raise err(
+                source,
+                f"training.data_shards[{i}].source",
+                f"shard {s.name} has a source but its uri is {s.uri}; a source is what a "
+                "tokens: shard is prepared from: set uri to tokens:<dir>, or drop source",
+            )
+        if s.source is not None and not (
+            s.source == "pydoc-topics:auto" or s.source.startswith("file:")
+        ):
+            raise err(
+                source,
+                f"training.data_shards[{i}].source",
+                f"unsupported source '{s.source}'; use pydoc-topics:auto or file:/path/to/text",
+            )
+        if s.uri.startswith("tokens:"):
+            _prepared(s.uri[len("tokens:") :], digest, source, where)
+        elif digest not in (None, BYTES):
+            raise err(
+                source,
+                where,
+                f"shard {s.name} is raw text (bytes) but the model's tokenizer is "
+                f"{tokenizer[2] if tokenizer else '?'}; run geotrain data prepare --tokenizer "
+                "<the model's tokenizer> on it and give tokens:<dir>",
+            )
+
+
+def _embedding_rows(ref: str, source: str, seq_len: int) -> int | None:
+    if ref in PRESETS:
+        return PRESET_VOCAB
+    if not ref.startswith("hf:"):
+        return None  # a factory's module is built only by the workers
+    from training.models.hf import hf_facts
+
+    try:
+        return int(hf_facts(ref[3:], seq_len=seq_len)["vocab_size"])
+    except GeotrainError as e:
+        raise err(source, "training.model", str(e)) from None
+
+
+def _tokenizer(m: StackModel, source: str) -> tuple[str, int, str] | None:
+    """(digest, vocab size, reference) of the stack's tokenizer."""
+    from training.data.tokenizer import load_tokenizer, tokenizer_for
+
+    ref = tokenizer_for(m.training.model, m.training.tokenizer)
+    try:
+        tok = load_tokenizer(ref)
+    except GeotrainError as e:
+        raise err(source, "training.tokenizer", str(e)) from None
+    return tok.digest, tok.vocab_size, ref
+
+
+def _prepared(directory: str, digest: str | None, source: str, where: str) -> None:
+    manifest = Path(directory) / "manifest.json"
+    if not manifest.is_file():  # not prepared yet: `geotrain data prepare` reads this stack
+        return
+    try:
+        have = json.loads(manifest.read_text())["tokenizer"]["digest"]
+    except (OSError, ValueError, KeyError, TypeError):
+        raise err(source, where, f"{manifest} is malformed; rerun geotrain data prepare") from None
+    if digest is not None and have != digest:
+        raise err(
+            source,
+            where,
+            f"{directory} was prepared with tokenizer {str(have)[:16]}, the model's is "
+            f"{digest[:16]}; rerun geotrain data prepare with --tokenizer <the model's tokenizer>",
+        )
