@@ -9,7 +9,7 @@ from typing import Any
 
 import click
 
-from geotrain import commands, data_commands, host_commands, ledger_commands
+from geotrain import commands, data_commands, export_command, host_commands, ledger_commands
 from geotrain.options import STACK, friendly
 from training.errors import OutputError
 
@@ -150,6 +150,7 @@ cli.add_command(host_commands.lab)
 cli.add_command(host_commands.node)
 cli.add_command(ledger_commands.ledger)
 cli.add_command(data_commands.data)
+cli.add_command(export_command.export_cmd)
 
 
 def main() -> None:

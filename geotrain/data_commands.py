@@ -4,6 +4,7 @@ directory (training.data.tokens)."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import click
@@ -20,12 +21,19 @@ def data() -> None:
 @click.option(
     "--tokenizer",
     "tokenizer_ref",
-    required=True,
-    help="bytes, a tokenizer.json, or a Hugging Face model directory holding one.",
+    help="bytes, a tokenizer.json, or a Hugging Face model directory holding one "
+    "(with --stack: the stack's).",
 )
 @click.option(
-    "--out", "out", type=click.Path(file_okay=False), required=True, help="Directory to write."
+    "--out", "out", type=click.Path(file_okay=False), help="Directory to write (not with --stack)."
 )
+@click.option(
+    "--stack",
+    "stack",
+    help="Prepare the stack's tokens: shards from their source (every region on this "
+    "machine, or --region).",
+)
+@click.option("--region", "region", help="With --stack: only this region's shards.")
 @click.option("--text-field", default="text", show_default=True, help="JSON key / parquet column.")
 @click.option(
     "--eval-fraction",
@@ -36,11 +44,13 @@ def data() -> None:
 )
 @click.option("--seed", type=int, default=0, show_default=True, help="Seeds the eval choice.")
 @click.option("--overwrite", is_flag=True, help="Replace a directory prepared before.")
-@click.argument("inputs", nargs=-1, required=True)
+@click.argument("inputs", nargs=-1)
 @friendly
 def prepare(
-    tokenizer_ref: str,
-    out: str,
+    tokenizer_ref: str | None,
+    out: str | None,
+    stack: str | None,
+    region: str | None,
     text_field: str,
     eval_fraction: float,
     seed: int,
@@ -48,10 +58,21 @@ def prepare(
     inputs: tuple[str, ...],
 ) -> None:
     """Tokenize INPUTS (.txt, .jsonl, .jsonl.gz, .jsonl.zst, .parquet files or directories)
-    into --out: train-*.bin and eval-*.bin shards and manifest.json."""
+    into --out: train-*.bin and eval-*.bin shards and manifest.json. With --stack, each
+    tokens: shard of the stack (of --region) from its `source`, with the stack's tokenizer."""
     from training.data.prepare import prepare as run
     from training.data.tokenizer import load_tokenizer
 
+    if stack is not None:
+        if out or inputs:
+            raise click.UsageError("--stack prepares the stack's shards: give no --out or INPUTS")
+        for line in prepare_stack(stack, region, tokenizer_ref, overwrite, text_field, seed):
+            click.echo(line)
+        return
+    if region is not None:
+        raise click.UsageError("--region selects a region of --stack; give --stack too")
+    if not tokenizer_ref or not out or not inputs:
+        raise click.UsageError("give --tokenizer, --out and INPUTS (or --stack)")
     tok = load_tokenizer(tokenizer_ref)
     m = run(
         inputs,
@@ -89,3 +110,60 @@ def summary(m: dict[str, Any]) -> str:
         f"{m['documents']['train'] + m['documents']['eval']} documents from "
         f"{len(m['inputs'])} files, tokenizer {tok['digest'][:16]} (vocab {tok['vocab_size']})"
     )
+
+
+def prepare_stack(
+    stack: str,
+    region: str | None,
+    tokenizer_ref: str | None,
+    overwrite: bool,
+    text_field: str,
+    seed: int,
+) -> list[str]:
+    """Prepare every tokens: shard of `stack` that has a source (of `region` only, when
+    given): the raw text is read where the worker would read it (training.data.loader),
+    on this host; nothing leaves it."""
+    import tempfile
+    from pathlib import Path
+
+    from infra.model.load import load_stack
+    from training.data.loader import pydoc_topics
+    from training.data.prepare import prepare as run
+    from training.data.tokenizer import load_tokenizer, tokenizer_for
+    from training.data.tokens import URI_PREFIX
+    from training.errors import DataError
+
+    m = load_stack(stack)
+    t = m.training
+    names = [r.name for r in m.regions]
+    if region is not None and region not in names:
+        raise DataError(f"stack {stack} has no region {region}; use one of {', '.join(names)}")
+    tok = load_tokenizer(tokenizer_ref or tokenizer_for(t.model, t.tokenizer))
+    shards = [
+        s
+        for s in t.data_shards
+        if s.uri.startswith(URI_PREFIX) and s.source and region in (None, s.region)
+    ]
+    if not shards:
+        raise DataError(
+            f"stack {stack} has no tokens: shard with a source"
+            + (f" in region {region}" if region else "")
+            + "; give a shard uri: tokens:<dir> and source: file:/path or pydoc-topics:auto"
+        )
+    lines = []
+    for s in shards:
+        out = s.uri[len(URI_PREFIX) :]
+        assert s.source is not None  # filtered above
+        with tempfile.TemporaryDirectory(prefix="geotrain-prepare-") as tmp:
+            if s.source.startswith("file:"):
+                inputs = [s.source[len("file:") :]]
+            else:  # the region's share of Python's docs (training.data.loader), a
+                # document per topic, so the eval split holds out whole topics
+                path = Path(tmp) / f"{s.name}.jsonl"
+                with open(path, "w", encoding="utf-8") as f:
+                    for doc in pydoc_topics(names.index(s.region), len(names)):
+                        f.write(json.dumps({text_field: doc}) + "\n")
+                inputs = [str(path)]
+            manifest = run(inputs, out, tok, text_field=text_field, seed=seed, overwrite=overwrite)
+        lines.append(f"{s.region}/{s.name} -> {out}: {summary(manifest)}")
+    return lines
