@@ -9,9 +9,18 @@ body with HMAC-SHA256 (16-byte tag): a flipped byte is never decoded.
 
 Keys (training.comm.session.derive): one per run, session, source rank, destination rank,
 stage and key generation. Nonces are counters: 4 bytes of key generation and 8 of
-message counter per key, so a nonce never repeats under a key. A sender moves to the
-next generation (a new key) after REKEY_MESSAGES messages or REKEY_BYTES bytes, far
-below GCM's limits (see docs/security.md for the arithmetic).
+message counter. A sender moves to the next generation (a new key) after REKEY_MESSAGES
+messages or REKEY_BYTES bytes, far below GCM's limits (see docs/security.md for the
+arithmetic).
+
+A nonce never repeats under a key, by construction rather than by care: every codec of a
+process, whatever its settings (the sync's, secure aggregation's wire codec, a streaming
+twin's, another sync object of the same session), draws its nonces from one allocator per
+(session salt, source, destination, stage), the process-wide `NONCES`. A key is a function
+of those four, the run key, the cipher and the generation, and the allocator hands out each
+(generation, counter) once; a key is used by one process only, that of its source rank
+(every encoder addresses payloads from its own rank; relays forward sealed bytes), and a
+session belongs to one launch (a restart agrees a new one). `bind` therefore resets nothing.
 
 The receiver states what it expects (`decode(payload, addr, numel)`: the address, the
 number of values, and through its own spec the quantizer and block size). A payload is
@@ -146,11 +155,40 @@ class CodecStats:
 
 @dataclass
 class _Link:
-    """A sender's key state for one (destination, stage)."""
+    """A sender's key state for one (session, source, destination, stage)."""
 
     generation: int = 0
     messages: int = 0
     bytes: int = 0
+
+
+class NonceAllocator:
+    """The process's nonce counters: one `_Link` per (session salt, source, destination,
+    stage), shared by every Codec, under one lock. Entries are never dropped (dropping one
+    would start its counter over under a live key): a few dozen bytes per link and stage of
+    each session this process encrypted in."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._links: dict[tuple[bytes, int, int, int], _Link] = {}
+
+    def next(self, salt: bytes, addr: Address, size: int) -> bytes:
+        """generation (4 bytes) || counter (8 bytes) for a payload of `size` body bytes from
+        addr.source to addr.dest on addr.stage; moves to the next generation (a new key)
+        past REKEY_MESSAGES or REKEY_BYTES."""
+        with self._lock:
+            k = (salt, addr.source, addr.dest, addr.stage)
+            link = self._links.get(k) or self._links.setdefault(k, _Link())
+            if link.messages >= REKEY_MESSAGES or link.bytes + size > REKEY_BYTES:
+                link.generation, link.messages, link.bytes = link.generation + 1, 0, 0
+            nonce = link.generation.to_bytes(4, "big") + link.messages.to_bytes(8, "big")
+            link.messages += 1
+            link.bytes += size
+        return nonce
+
+
+NONCES = NonceAllocator()
+"""The one allocator of this process (module doc: why one)."""
 
 
 @dataclass
@@ -176,14 +214,11 @@ class Codec:
         if self.spec.block_size < 1:
             raise SpecError(f"codec.block_size {self.spec.block_size} must be at least 1")
         self._local = threading.local()  # zstd contexts are not thread-safe
-        self._lock = threading.Lock()
-        self._links: dict[tuple[int, int, int], _Link] = {}
         self._keys: OrderedDict[tuple[bytes, int, int, int, int, int], bytes] = OrderedDict()
 
     def bind(self, session: Session) -> None:
-        """Use `session` from now on (its keys; counters start over with them)."""
+        """Use `session` from now on (its keys, and the process's nonce counters of them)."""
         self.session = session
-        self._links.clear()
 
     # -- public -----------------------------------------------------------------------
     def encode(
@@ -199,7 +234,7 @@ class Codec:
         body, decoded = _quantize(x, quant, self.spec.block_size)
         zc = self._zc(self.spec.zstd_level if level is None else level)
         body = zc.compress(_shuffle(body, _itemsize(quant)))
-        nonce = self._next_nonce(addr, len(body))
+        nonce = NONCES.next(s.salt(), addr, len(body))
         h = _Header(
             QUANT[quant],
             CIPHERS[self.spec.cipher],
@@ -258,18 +293,6 @@ class Codec:
         if self.session is None:
             raise SpecError("the codec has no session; bind one (training.comm.session.agree)")
         return self.session
-
-    def _next_nonce(self, addr: Address, size: int) -> bytes:
-        """generation (4 bytes) || counter (8 bytes): unique per key by construction."""
-        with self._lock:
-            k = (addr.dest, addr.stage, addr.source)
-            link = self._links.get(k) or self._links.setdefault(k, _Link())
-            if link.messages >= REKEY_MESSAGES or link.bytes + size > REKEY_BYTES:
-                link.generation, link.messages, link.bytes = link.generation + 1, 0, 0
-            nonce = link.generation.to_bytes(4, "big") + link.messages.to_bytes(8, "big")
-            link.messages += 1
-            link.bytes += size
-        return nonce
 
     def _key(self, salt: bytes, cipher: str, h: _Header) -> bytes:
         k = (salt, CIPHERS[cipher], h.source, h.dest, h.stage, h.generation)
