@@ -14,8 +14,10 @@
   the next.
 - **Control messages.** The few values ranks exchange outside the codec (the session
   agreement, the time-based merge and save flags, checkpoint resume and commit
-  agreement) go through `Control`: JSON, never pickle, with an HMAC per sender under a
-  key of the session and a sequence number, verified before the JSON is parsed.
+  agreement, secure aggregation's public keys) go through `Control`: JSON, never pickle,
+  with an HMAC per sender and sequence number, verified before the JSON is parsed, under a
+  key of the session and of the channel: its purpose, its group (c10d name and global
+  ranks) and its instance, so no two channels can replay into each other.
 - **The rendezvous store** listens on the master address only (`rendezvous_store`).
 """
 
@@ -29,6 +31,7 @@ import ipaddress
 import json
 import os
 import socket
+import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -92,26 +95,56 @@ def link_info(purpose: str, source: int, dest: int, stage: int, generation: int)
     return f"{purpose}|{source}>{dest}|stage{stage}|gen{generation}"
 
 
+_INSTANCES: dict[tuple[bytes, str, str], int] = {}
+"""(session salt, purpose, group name) -> Control instances made so far in this process."""
+_INSTANCES_LOCK = threading.Lock()
+
+
 class Control:
     """Authenticated all-gather of small JSON values over a gloo group.
 
-    Every rank sends `HMAC(key of (session, purpose, sender), seq || body) || body`; every
+    Every rank sends `HMAC(key of (session, channel, sender), seq || body) || body`; every
     receiver checks each sender's MAC before it parses the body, so nothing a third party
     wrote is ever used, and nothing is unpickled. `seq` counts this channel's calls (all
     ranks call in lockstep, as for any collective): an earlier message of the same
-    session replayed in place of a newer one fails its MAC."""
+    channel replayed in place of a newer one fails its MAC.
+
+    The channel (`label`) is the purpose, the group's c10d name and global ranks, and the
+    instance: how many Controls of that session, purpose and group this process made
+    before. Every rank of a group makes them in the same order (the code that makes them
+    runs on every rank of the group, as the group's collectives do; c10d names groups
+    identically on every rank, its store keys depend on it), so every rank derives the same
+    keys, and a message of one channel fails the MAC of any other: another purpose, the
+    same purpose on another group (a streaming twin's) or another instance on the same one
+    (a second sync object's). A rank that made one more would fail its first gather,
+    loudly, not talk on another channel."""
 
     def __init__(self, run_key: bytes, session: Session, purpose: str, group: Any = None):
         self._key = run_key
         self._salt = session.salt()
         self._purpose = purpose
         self._group = group
+        pg = group if group is not None else dist.group.WORLD
+        if pg is None:
+            raise SessionError(
+                f"control channel '{purpose}' made before the process group: call "
+                "torch.distributed.init_process_group first"
+            )
+        name = str(pg.group_name)
+        with _INSTANCES_LOCK:
+            k = (self._salt, purpose, name)
+            self.instance = _INSTANCES.get(k, 0)
+            _INSTANCES[k] = self.instance + 1
+        self.label = json.dumps(
+            [purpose, name, dist.get_process_group_ranks(pg), self.instance], separators=(",", ":")
+        )
+        """The channel, in every key of it (JSON: no two channels share a label)."""
         self._seq = 0
         self._keys: dict[int, bytes] = {}
 
     def _mac(self, rank: int, seq: int, body: bytes) -> bytes:
         if rank not in self._keys:
-            info = f"control|{self._purpose}|rank{rank}"
+            info = f"control|{self.label}|rank{rank}"
             self._keys[rank] = derive(self._key, self._salt, info, 32)
         return hmac.new(self._keys[rank], seq.to_bytes(8, "big") + body, "sha256").digest()
 
@@ -148,7 +181,8 @@ class Control:
             if not hmac.compare_digest(mac, self._mac(rank, seq, body)):
                 raise TransientReject(
                     f"control message '{self._purpose}' #{seq} from rank {rank} failed "
-                    "authentication (tampered, replayed, or another run key); not used"
+                    "authentication (tampered, replayed from this or another channel, or "
+                    f"another run key; channel {self.label}); not used"
                 )
             out.append(json.loads(body))
         return out

@@ -22,13 +22,17 @@ One round (epoch, step, bucket) in one cross group of R regions, pieces (R, P):
      the sum of q (|sum| <= R * levels < 2^15) comes out as a signed 16-bit value, times
      the shared scale.
 Scales and masked pieces travel through a `quantize: none` codec on stages 2 and 3: the
-same header checks and SM4-GCM/AES-GCM as every payload, under keys of their own stage.
+same header checks and SM4-GCM/AES-GCM as every payload, under keys of their own stage, with
+nonces from the process's one allocator (training.sync.codec.NONCES), so two SecureSums of a
+session (the sync's and a streaming twin's) never seal under one (key, nonce).
 Each of the two exchanges takes one round (training.sync.linkprobe.bounded_all_to_all: a
 message leads with its length and lands in a buffer of the wire codec's bound).
 
 The X25519 public keys are exchanged once per sync object (a launch or restart), through
 `training.comm.session.Control`: the session's HMAC under the run key, like the session
-agreement. A region missing from a round (a failed exchange, an empty payload) aborts it
+agreement, on a channel of this cross group (its c10d name and ranks) and instance, so the
+sync's exchange and its streaming twin's (same ranks, other group) cannot stand in for
+each other. A region missing from a round (a failed exchange, an empty payload) aborts it
 with `RoundAborted`: its masks cannot be removed without it, and masks are not recovered
 (no secret sharing of the keys), so the job restarts from its checkpoint as for any lost
 region.
@@ -220,7 +224,8 @@ class SecureSum:
 
     def _wire_codec(self) -> Codec:
         """A `quantize: none` codec of the same run, session and cipher: it carries scales
-        and masked words bit-exactly (int16 pairs as fp32 words)."""
+        and masked words bit-exactly (int16 pairs as fp32 words). Its nonces come from the
+        process's allocator, as every codec's: a second codec costs no nonce safety."""
         s = self.codec.session
         if self._wire is None:
             self._wire = Codec(replace(self.codec.spec, quantize="none"), self.codec.run_key)

@@ -6,10 +6,13 @@ The twin: the loop keeps using its region group every step (gradient averaging, 
 report), and c10d requires a group's collectives to be issued in the same order on every
 rank; a second thread issuing collectives on the same groups could interleave differently
 on different ranks. So the exchange gets its own intra- and cross-region groups (created by
-every rank in the same order: training.comm.topology.make_groups). It shares the sync's codec
-(nonce counters are per link, under a lock), its error-feedback residuals (the checkpoint
-saves the sync's, and the loop drains every exchange before a save) and its byte counters
-(not its seconds: those overlap compute, they are not a stall).
+every rank in the same order: training.comm.topology.make_groups). It shares the sync's codec,
+its error-feedback residuals (the checkpoint saves the sync's, and the loop drains every
+exchange before a save) and its byte counters (not its seconds: those overlap compute, they
+are not a stall). With secure aggregation it builds a SecureSum of its own on its own cross
+group: its wire codec draws nonces from the same process-wide allocator as every codec
+(training.sync.codec.NONCES: one counter per key, whichever codec or thread seals), and its
+key exchange runs on a control channel of its own group, which the sync's cannot replay into.
 """
 
 from __future__ import annotations
