@@ -7,6 +7,7 @@ import hashlib
 import json
 import os
 import time
+from collections.abc import Iterable
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -21,12 +22,13 @@ from training.errors import (
 from training.gradsync import merge, region_average_grads, sync_grads, zero_grads
 from training.job import Job, rejected
 from training.models.build import lm_loss
+from training.parallel.fsdp import local
 from training.privacy.dpsgd import (
     Stop,
     agreed_stop,
     budget_error,
 )
-from training.resume import resume, save_final, state_dict
+from training.resume import final_state, resume, save_final, state_dict
 from training.setup import setup
 from training.spec import LaunchSpec
 from training.sync import balance
@@ -45,9 +47,15 @@ waits on control steps, most while a streaming fragment's exchange shared the li
 
 
 def params_digest(model: torch.nn.Module) -> str:
+    """16 hex of sha256 over the parameters; under FSDP over this rank's shards (rank c of
+    every region holds the same shard c, so leaders still compare like with like)."""
+    return tensors_digest(local(p) for p in model.parameters())
+
+
+def tensors_digest(tensors: Iterable[torch.Tensor]) -> str:
     h = hashlib.sha256()
-    for p in model.parameters():
-        h.update(p.detach().cpu().contiguous().numpy().tobytes())
+    for t in tensors:
+        h.update(t.detach().cpu().contiguous().numpy().tobytes())
     return h.hexdigest()[:16]
 
 
@@ -266,14 +274,15 @@ def run(
         raise
     staged(job)
     job.ckpt.wait()
+    final = final_state(job)  # a collective under FSDP: every rank
     if run_dir is not None and job.topo.rank == 0:
-        save_final(job, run_dir)
-    ledger_hooks.finished(job, run_dir)
+        save_final(job, run_dir, final)
+    ledger_hooks.finished(job, run_dir, final)
     if job.leader:
         job.emit(
             "done",
             step=job.step,
-            digest=params_digest(job.model),
+            digest=tensors_digest(final.values()),  # final.pt's weights, whole
             encode_s=job.sync.codec.stats.encode_seconds,
             decode_s=job.sync.codec.stats.decode_seconds,
             **link_report(job),

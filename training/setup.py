@@ -19,6 +19,8 @@ from training.errors import SpecError
 from training.job import Job, previous_rejects
 from training.launch import torchrun
 from training.observe.metrics import RuntimeMetrics
+from training.parallel.fsdp import local_params
+from training.parallel.fsdp import shard as fsdp_shard
 from training.privacy.dpsgd import RegionPrivacy
 from training.spec import LaunchSpec, metrics_endpoint
 from training.state.checkpoint import ALLOW_ROLLBACK_ENV, Checkpointer, node_group, node_root
@@ -29,7 +31,7 @@ from training.sync.codec import Codec
 from training.sync.diloco import DiLoCo
 from training.sync.hier import HierarchicalAllReduce
 from training.sync.topo_exchange import TopologyExchange
-from training.workload import agree_weights, loader_for, model_for, region_text
+from training.workload import agree_weights, check_fsdp, loader_for, model_for, region_text
 
 RENDEZVOUS_TIMEOUT_S = 600
 """How long the global store waits for every rank to join."""
@@ -120,6 +122,10 @@ def setup(
     model, tokenizer = model_for(spec)  # seeded: identical initial weights on every rank
     agree_weights(spec, model, Control(key, session, "weights"))  # loaded weights too
     model = model.to(device)
+    fsdp = spec.parallel.shard == "fsdp"
+    if fsdp:  # parameters, gradients and AdamW's state split over the region's ranks
+        check_fsdp(spec)
+        model = fsdp_shard(model, groups, spec.parallel)
     codec = Codec(spec.codec, key, session)
     sync = HierarchicalAllReduce(
         topo,
@@ -128,6 +134,7 @@ def setup(
         spec.run_id,
         error_feedback=spec.codec.error_feedback,
         allgather=spec.exchange == "allgather",
+        sharded=fsdp,
     )
     sync.planner = TopologyExchange.for_spec(spec)  # exchange: topology (None: direct)
     sync.probe()  # every cross-region link's bandwidth and RTT (training.sync.linkprobe)
@@ -148,7 +155,7 @@ def setup(
         control=Control(key, session, "steps"),
         privacy=privacy,
         balance=balance.for_job(spec, topo, Control(key, session, "balance")),
-        grads=GradBuffer.of(model) if privacy is None else None,
+        grads=GradBuffer.of(model) if privacy is None and not fsdp else None,
     )
     job.metrics.reject(previous_rejects(events, rank))  # the count survives restarts
     job.ledger = ledger_hooks.open_for(spec, topo, key, session, run_dir, node.name)
@@ -159,7 +166,9 @@ def setup(
 
     ckpt.on_commit = on_commit
     if spec.sync == "diloco":
-        params = buckets(list(model.parameters()), spec.bucket_mb)
+        # under FSDP DiLoCo's global copy and outer step are of this rank's shards
+        mine = local_params(model) if fsdp else list(model.parameters())
+        params = buckets(mine, spec.bucket_mb)
         stream = streaming.twin(sync) if spec.diloco.tau > 0 else None  # its own groups
         job.diloco = DiLoCo(params, spec.diloco, sync, stream)
     resume.prime(job)

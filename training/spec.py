@@ -295,6 +295,63 @@ class DilocoSpec:
         return self.fragments > 1 or self.tau > 0
 
 
+Shard = Literal["none", "fsdp"]
+ParamDtype = Literal["fp32", "bf16"]
+
+
+@dataclass(frozen=True, config=_STRICT)
+class ParallelSpec:
+    shard: Shard = "none"
+    """none: every rank holds the whole model; fsdp: parameters, gradients and optimizer
+    state sharded over the region's ranks (FSDP2), replicated across regions by the sync."""
+    param_dtype: ParamDtype = "fp32"
+    """fsdp: dtype of the gathered parameters in forward/backward (bf16: mixed precision
+    with fp32 gradient reduction); the sharded master weights stay fp32."""
+    activation_checkpointing: bool = False
+    """fsdp: recompute each block's activations in backward (hf: models)."""
+
+
+def fsdp_conflict(
+    *,
+    privacy: list[str],
+    streaming: bool,
+    balance: bool,
+    fault_tolerance: bool,
+    secure_aggregation: bool,
+    workers: dict[str, int],
+) -> str | None:
+    """Why `parallel.shard: fsdp` cannot run with the rest of a stack or spec (None: it
+    can); the stack check and the worker share it."""
+    if privacy:
+        return (
+            f"cannot be combined with privacy (regions {', '.join(privacy)}): DP-SGD "
+            "clips per-sample gradients of a whole replica"
+        )
+    if streaming:
+        return (
+            "cannot be combined with streaming DiLoCo (fragments > 1 or tau > 0) yet; use "
+            "blocking merges"
+        )
+    if balance:
+        return (
+            "cannot be combined with balance: throughput (FSDP's shards need equal batches "
+            "per rank)"
+        )
+    if fault_tolerance:
+        return (
+            "cannot be combined with fault_tolerance yet (a healing region would need every shard)"
+        )
+    if secure_aggregation:
+        return "cannot be combined with secure_aggregation yet"
+    if len(set(workers.values())) > 1:
+        sizes = ", ".join(f"{r} {n}" for r, n in workers.items())
+        return (
+            f"needs the same number of workers in every region ({sizes}): rank c of each "
+            "region holds the same shard and exchanges it with its peers"
+        )
+    return None
+
+
 @dataclass(frozen=True, config=_STRICT)
 class CheckpointSpec:
     dir: str = ".geotrain/checkpoints"
@@ -374,6 +431,8 @@ class LaunchSpec:
     diloco: DilocoSpec = field(default_factory=DilocoSpec)
     """Periodic merge settings."""
     checkpoint: CheckpointSpec = field(default_factory=CheckpointSpec)
+    parallel: ParallelSpec = field(default_factory=ParallelSpec)
+    """Sharding inside a region (training.parallel)."""
     """Checkpoint settings."""
     key_file: str = ".geotrain/run.key"
     """File with the run's hex key."""

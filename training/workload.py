@@ -18,7 +18,7 @@ from training.data.tokenizer import BYTES, TextTokenizer, load_tokenizer, tokeni
 from training.data.tokens import URI_PREFIX, MixtureLoader, TokenLoader
 from training.errors import DataError, SpecError
 from training.models.build import build_model, embedding_rows, params_digest
-from training.spec import LaunchSpec, RegionSpec
+from training.spec import LaunchSpec, RegionSpec, fsdp_conflict
 
 Loader = ByteLoader | TokenLoader | MixtureLoader
 
@@ -116,3 +116,17 @@ def agree_weights(spec: LaunchSpec, model: nn.Module, control: Control) -> str:
                 f"model ({spec.model}): copy the same weights to every region's hosts"
             )
     return digest
+
+
+def check_fsdp(spec: LaunchSpec) -> None:
+    """The stack check's refusals of `parallel.shard: fsdp`, for a spec rendered by hand."""
+    conflict = fsdp_conflict(
+        privacy=[r.name for r in spec.regions if r.privacy is not None],
+        streaming=spec.sync == "diloco" and spec.diloco.streaming,
+        balance=spec.balance == "throughput",
+        fault_tolerance=spec.fault_tolerance is not None,
+        secure_aggregation=spec.codec.secure_aggregation,
+        workers={r.name: sum(n.nprocs for n in r.nodes) for r in spec.regions},
+    )
+    if conflict:
+        raise SpecError(f"launch spec: parallel.shard fsdp {conflict}")

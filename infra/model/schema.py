@@ -379,6 +379,16 @@ class Diloco(Strict):
         return self.inner_steps if self.inner_steps is not None else 100
 
 
+class Parallel(Strict):
+    shard: Literal["none", "fsdp"] = "none"
+    """none: a whole replica per rank; fsdp: parameters, gradients and optimizer state
+    sharded over the region's ranks (FSDP2), replicated across regions by the sync."""
+    param_dtype: Literal["fp32", "bf16"] = "fp32"
+    """fsdp: bf16 parameters in forward and backward with fp32 gradient reduction."""
+    activation_checkpointing: bool = False
+    """fsdp: recompute each block's activations in backward (hf: models)."""
+
+
 class Checkpoint(Strict):
     dir: str = ".geotrain/{stack}/checkpoints"
     """Checkpoint root; {stack}, {node} and {region} are filled in (each node saves its
@@ -438,6 +448,8 @@ class Training(Strict):
     """Periodic global merge settings (sync: diloco)."""
     checkpoint: Checkpoint = Checkpoint()
     """Checkpoint cadence and retention."""
+    parallel: Parallel = Parallel()
+    """Sharding inside a region (FSDP2)."""
     data_shards: list[DataShard] = Field(default_factory=list)
     """Data per region, each tagged with its jurisdiction."""
     key_file: str = ".geotrain/{stack}/run.key"

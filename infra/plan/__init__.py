@@ -22,6 +22,7 @@ from infra.model.names import GATEWAY_HOST_INDEX, WORKER_HOST_OFFSET, ifname, la
 from infra.model.schema import (
     Adaptive,
     CloudSettings,
+    DataShard,
     KubernetesSettings,
     Link,
     Monitoring,
@@ -362,22 +363,40 @@ def _shaped(link: Link, kind: str) -> bool:
     return link.shape if link.shape is not None else kind == "lab"
 
 
+def _shard_identity(s: DataShard) -> dict[str, object]:
+    """A shard's fields for the run id; `weight` and `source` (added later) only when set."""
+    out = s.model_dump(mode="json", exclude={"weight", "source"})
+    if s.weight != 1.0:
+        out["weight"] = s.weight
+    if s.source is not None:
+        out["source"] = s.source
+    return out
+
+
 def _run_id(m: StackModel) -> str:
     """Names the training run: the same for every render of what a checkpoint depends on,
     so a change of codec, cadence, links, tags or ports resumes the run where it was,
     and a change of model, data, seed, sync mode, buckets or layout starts a new one."""
     t = m.training
-    identity = {
+    fsdp = t.parallel.shard == "fsdp"
+    identity: dict[str, object] = {
         "stack": m.stack,
         "model": t.model,
         "sync": t.sync,
         "seed": t.seed,
         "bucket_mb": t.bucket_mb,
         "error_feedback": t.compression.error_feedback,
-        "shards": [s.model_dump(mode="json") for s in t.data_shards],
+        # fields added later count only when set, so an older stack keeps its run id
+        "shards": [_shard_identity(s) for s in t.data_shards],
         "layout": [
-            [r.name, [[n.name, n.gpu_type, n.gpus] for n in r.pool.nodes]] for r in m.regions
+            # FSDP's checkpoints reshard: a region's worker count may change within a run
+            [r.name, [[n.name, n.gpu_type] + ([] if fsdp else [n.gpus]) for n in r.pool.nodes]]
+            for r in m.regions
         ],
     }
+    if t.tokenizer is not None:
+        identity["tokenizer"] = t.tokenizer
+    if fsdp:
+        identity["parallel"] = "fsdp"
     digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:10]
     return f"{m.stack}-{digest}"

@@ -20,6 +20,8 @@ import torch.distributed as dist
 from training.audit.ledger import Ledger, TensorHasher, activate, sm3, tensors_sm3
 from training.comm.session import Control, Session
 from training.errors import LedgerError
+from training.parallel.fsdp import full_tensors, whole
+from training.parallel.fsdp import local_grads as local_grads_of
 from training.spec import LaunchSpec
 
 if TYPE_CHECKING:
@@ -93,6 +95,10 @@ def region_gradient(job: Job) -> str | None:
     The digest on the leader; None elsewhere and at other steps."""
     if not (_recording and sync_due(job.spec, job.step)):
         return None
+    if job.sync.sharded:  # FSDP: each rank holds the region's mean of its shard
+        local_grads_of(job.model)  # zeros where autograd left none
+        grads = full_tensors(p.grad for p in job.model.parameters() if p.grad is not None)
+        return tensors_sm3(grads) if job.ledger is not None else None
     grads = [
         (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
         for p in job.model.parameters()
@@ -104,11 +110,14 @@ def region_gradient(job: Job) -> str | None:
 
 def synced(job: Job, gradient: str | None) -> None:
     """allreduce, after the optimizer step of a recorded step."""
+    if not (_recording and sync_due(job.spec, job.step)):
+        return
+    params = full_tensors(job.model.parameters())  # a collective under FSDP: every rank
     if job.ledger is None or gradient is None:
         return
     subject = {
         f"gradient/{job.topo.region}": {"sm3": gradient},
-        "params": {"sm3": tensors_sm3(job.model.parameters())},
+        "params": {"sm3": tensors_sm3(params)},
     }
     job.ledger.append("sync", subject, step=job.step + 1, epoch=_epoch(job))
 
@@ -124,14 +133,20 @@ def merged(job: Job, applied: Applied) -> None:
     sent) and the global parameters the merge set, the same in every region: every one,
     or, for a streaming landing, only its fragment's (named in the entry), which saves
     hashing the whole model at every landing."""
-    if job.ledger is None or job.diloco is None:
+    if job.diloco is None:
         return
     d = job.diloco
+    merged_params = d.fragment_params(applied.fragment)
+    if job.sync.sharded:  # FSDP: the global copy is of shards; whole on every rank
+        like = [p for p in job.model.parameters() if p.requires_grad]
+        merged_params = whole(merged_params, like)
+    if job.ledger is None:
+        return
     pg = applied.digest
     assert isinstance(pg, TensorHasher)  # made by `hasher` above
     subject = {
         f"pseudo-gradient/{job.topo.region}": {"sm3": pg.hexdigest()},
-        "params": {"sm3": tensors_sm3(d.fragment_params(applied.fragment))},
+        "params": {"sm3": tensors_sm3(merged_params)},
     }
     extra = {} if applied.fragment is None else {"fragment": applied.fragment}
     job.ledger.append(
@@ -152,9 +167,11 @@ def privacy(job: Job, epsilon: float, delta: float, steps: int) -> None:
         job.ledger.record_dp(epsilon, delta, steps)
 
 
-def finished(job: Job, run_dir: Path | None) -> None:
-    """After the run (and `final.pt`, which rank 0 writes): the final DP budget, if the
-    region has one, and the `end` entry."""
+def finished(
+    job: Job, run_dir: Path | None, final_state: dict[str, torch.Tensor] | None = None
+) -> None:
+    """After the run (and `final.pt`, which rank 0 writes from `final_state`): the final DP
+    budget, if the region has one, and the `end` entry."""
     if job.ledger is None:
         return
     if job.privacy is not None:
@@ -162,7 +179,8 @@ def finished(job: Job, run_dir: Path | None) -> None:
         job.ledger.record_dp(p.budget.epsilon(), p.spec.delta, p.budget.steps)
     final = run_dir / FINAL if run_dir is not None else None
     mine = job.topo.rank == 0 and final is not None and final.exists()
-    params = tensors_sm3(job.model.state_dict().values())  # final.pt's tensors, in order
+    state = final_state if final_state is not None else job.model.state_dict()
+    params = tensors_sm3(state.values())  # final.pt's tensors, in order
     job.ledger.record_end(params, final if mine else None, job.step, _epoch(job))
     activate(None)
 

@@ -76,6 +76,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
+from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
 from training.comm import gloo
@@ -667,6 +668,12 @@ class Checkpointer:
                 raise reader.refused from None
             raise
 
+    def stored(self, d: Path) -> dict[str, Any]:
+        """`d`'s DCP metadata by flattened key (`rank3.loader.drawn`), read through the
+        verified reader: what the node saved, to fit a template to it before `load`."""
+        reader = VerifiedReader(d, self._verified_manifest(d))
+        return dict(reader.read_metadata().state_dict_metadata)
+
     def _verified_manifest(self, d: Path) -> dict[str, str]:
         """The manifest's file digests, read once; raises unless it is committed,
         authentic, of this run, this node and the step of its directory."""
@@ -773,13 +780,16 @@ class Snapshot:
         snapshot must no longer be in use."""
         tensors: list[torch.Tensor] = []
         _collect(state, tensors)
+        # a DTensor (FSDP's shards) is copied as its local shard and rebuilt around the
+        # copy with its mesh and placement, so DCP still sees which part of what it is
+        shards = [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
 
         def shapes(ts: list[torch.Tensor]) -> list[tuple[torch.Size, torch.dtype]]:
             return [(t.shape, t.dtype) for t in ts]
 
-        if shapes(tensors) != shapes(self._buffers):
-            self._buffers = [torch.empty(t.shape, dtype=t.dtype) for t in tensors]
-        pairs = list(zip(self._buffers, tensors, strict=True))
+        if shapes(shards) != shapes(self._buffers):
+            self._buffers = [torch.empty(t.shape, dtype=t.dtype) for t in shards]
+        pairs = list(zip(self._buffers, shards, strict=True))
 
         def fill() -> None:
             with torch.no_grad():
@@ -803,6 +813,15 @@ def _collect(obj: Any, out: list[torch.Tensor]) -> None:
 def _rebuild(obj: Any, bufs: Any) -> Any:
     """`obj` with every tensor replaced by the next buffer (same walk order as _collect)
     and every other leaf copied, so later changes to the live state cannot leak in."""
+    if isinstance(obj, DTensor):
+        return DTensor.from_local(
+            next(bufs),
+            obj.device_mesh,
+            obj.placements,
+            run_check=False,
+            shape=obj.shape,
+            stride=obj.stride(),
+        )
     if isinstance(obj, torch.Tensor):
         return next(bufs)
     if isinstance(obj, dict):

@@ -3,16 +3,18 @@ units a sync sends (training.sync.hier) and the flat slices it reads them from."
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
+T = TypeVar("T", bound=torch.Tensor)
 
-def buckets(params: list[torch.nn.Parameter], bucket_mb: float) -> list[list[torch.nn.Parameter]]:
+
+def buckets(params: list[T], bucket_mb: float) -> list[list[T]]:
     """Parameters in order, cut into buckets of at most `bucket_mb` MiB of fp32 (a larger
     parameter alone): the unit one `all_reduce` call sends, its residuals keyed by index."""
     limit = int(bucket_mb * 2**20 / 4)
-    out: list[list[torch.nn.Parameter]] = [[]]
+    out: list[list[T]] = [[]]
     size = 0
     for p in params:
         if out[-1] and size + p.numel() > limit:

@@ -117,6 +117,10 @@ class HierarchicalAllReduce:
     """The per-link codec choice; set from codec.adaptive (training.sync.adaptive)."""
     planner: Planner | None = None
     """The topology-aware exchange (training.sync.topo_exchange; None: the direct one)."""
+    sharded: bool = False
+    """FSDP inside the region (training.parallel): each rank's x is its own shard, already
+    averaged over the region by FSDP's reduce-scatter, so the in-region stages are skipped
+    and the cross-region average runs on the shard with the same shard of every region."""
     allgather: bool = False
     """`exchange: allgather`: each region's shard whole to every region, one round (module
     doc); set from the spec, so every region exchanges alike."""
@@ -189,6 +193,8 @@ class HierarchicalAllReduce:
         n = [x.numel() for x in xs]
         if self.adaptive is not None:
             self.adaptive.window.begin(step, sum(n))
+        if self.sharded:
+            return self._sharded_many(xs, step, buckets, t0)
         L, C = topo.local_size, topo.cross_size
         shards = []
         for x, k in zip(xs, n, strict=True):
@@ -210,6 +216,23 @@ class HierarchicalAllReduce:
             full = self._intra_all_gather(total.to(g.device), S)
             self.stats.intra_bytes += 4 * S * (L - 1)
             out.append(full[:k].view_as(x).to(x.device))
+        self.stats.sync_seconds += time.perf_counter() - t0
+        self.stats.syncs += len(xs)
+        if self.adaptive is not None:
+            self.adaptive.window.end()
+        return out
+
+    def _sharded_many(
+        self, xs: Sequence[torch.Tensor], step: int, buckets: Sequence[int], t0: float
+    ) -> list[torch.Tensor]:
+        """`sharded`: the region means of this rank's shards, averaged across regions over
+        the cross group (every local rank is in one: FSDP needs equal regions)."""
+        flats = [x.detach().float().reshape(-1).cpu() for x in xs]
+        totals = self._exchange_many(flats, step, buckets)  # (S,) sums over all regions
+        out = [
+            t.div_(self.topo.regions).view_as(x).to(x.device)
+            for t, x in zip(totals, xs, strict=True)
+        ]
         self.stats.sync_seconds += time.perf_counter() - t0
         self.stats.syncs += len(xs)
         if self.adaptive is not None:

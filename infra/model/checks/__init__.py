@@ -39,6 +39,7 @@ def check_model(m: StackModel, source: str) -> None:
         training.shards,
         training.settings,  # and fault_tolerance.check, after the sync settings
         workload.check,
+        workload.parallel,
         monitoring.check,  # and fault_tolerance.quorum_ports
         stack.policy,
         runtime.check,

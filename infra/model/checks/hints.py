@@ -21,6 +21,14 @@ def idle_settings(m: StackModel) -> list[str]:
             f"hint: training.diloco.mix {d.mix:g} has no effect with tau 0 (a merge lands at "
             "once, with no local progress since its send to keep); set tau, or drop mix"
         )
+    if t.parallel.shard == "fsdp":
+        one = [r.name for r in m.regions if sum(n.gpus for n in r.pool.nodes) == 1]
+        if one:
+            out.append(
+                f"hint: parallel.shard fsdp has nothing to shard over in {', '.join(one)} (one "
+                "worker per region): each rank still holds the whole model; give the regions "
+                "more workers, or drop parallel"
+            )
     from infra.model.clouds import CLOUD_KINDS
 
     for i, r in enumerate(m.regions):

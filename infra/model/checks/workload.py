@@ -67,9 +67,9 @@ def check(m: StackModel, source: str) -> None:
             raise err(
                 source,
                 where,
-                f"shard {s.name} is raw text (bytes) but the model's tokenizer is "
-                f"{tokenizer[2] if tokenizer else '?'}; run geotrain data prepare --tokenizer "
-                "<the model's tokenizer> on it and give tokens:<dir>",
+                f"shard {s.name} is raw text, read as bytes, but the model has its own "
+                "tokenizer: run geotrain data prepare on it and give uri: tokens:<dir> "
+                f"(tokenizer {tokenizer[2] if tokenizer else '?'})",
             )
 
 
@@ -113,3 +113,29 @@ def _prepared(directory: str, digest: str | None, source: str, where: str) -> No
             f"{directory} was prepared with tokenizer {str(have)[:16]}, the model's is "
             f"{digest[:16]}; rerun geotrain data prepare with --tokenizer <the model's tokenizer>",
         )
+
+
+def parallel(m: StackModel, source: str) -> None:
+    """`parallel.shard: fsdp` against the rest of the stack (training.spec.fsdp_conflict)."""
+    from training.spec import fsdp_conflict
+
+    t = m.training
+    if t.parallel.shard != "fsdp":
+        for key in ("param_dtype", "activation_checkpointing"):
+            if key in t.parallel.model_fields_set:
+                raise err(
+                    source,
+                    f"training.parallel.{key}",
+                    "applies to parallel.shard: fsdp only; set shard: fsdp or drop it",
+                )
+        return
+    conflict = fsdp_conflict(
+        privacy=[r.name for r in m.regions if r.privacy],
+        streaming=t.sync == "diloco" and (t.diloco.fragments > 1 or t.diloco.tau > 0),
+        balance=t.balance == "throughput",
+        fault_tolerance=t.fault_tolerance is not None,
+        secure_aggregation=t.compression.secure_aggregation,
+        workers={r.name: sum(n.gpus for n in r.pool.nodes) for r in m.regions},
+    )
+    if conflict:
+        raise err(source, "training.parallel.shard", f"fsdp {conflict}")
