@@ -31,7 +31,14 @@ from training.sync.codec import Codec
 from training.sync.diloco import DiLoCo
 from training.sync.hier import HierarchicalAllReduce
 from training.sync.topo_exchange import TopologyExchange
-from training.workload import agree_weights, check_fsdp, loader_for, model_for, region_text
+from training.workload import (
+    agree_weights,
+    check_fsdp,
+    data_digests,
+    loader_for,
+    model_for,
+    region_text,
+)
 
 RENDEZVOUS_TIMEOUT_S = 600
 """How long the global store waits for every rank to join."""
@@ -158,7 +165,8 @@ def setup(
         grads=GradBuffer.of(model) if privacy is None and not fsdp else None,
     )
     job.metrics.reject(previous_rejects(events, rank))  # the count survives restarts
-    job.ledger = ledger_hooks.open_for(spec, topo, key, session, run_dir, node.name)
+    data = data_digests(region, text) if run_dir is not None and topo.local_rank == 0 else None
+    job.ledger = ledger_hooks.open_for(spec, topo, key, session, run_dir, node.name, data)
 
     def on_commit(step: int) -> None:
         job.emit("committed", node=node.name, step=step)

@@ -7,6 +7,7 @@ compares their digests over an authenticated gather before step 1."""
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
 import torch
@@ -15,7 +16,7 @@ from torch import nn
 from training.comm.session import Control
 from training.data.loader import ByteLoader, load_region_text
 from training.data.tokenizer import BYTES, TextTokenizer, load_tokenizer, tokenizer_for
-from training.data.tokens import URI_PREFIX, MixtureLoader, TokenLoader
+from training.data.tokens import URI_PREFIX, MixtureLoader, TokenLoader, prepared_path
 from training.errors import DataError, SpecError
 from training.models.build import build_model, embedding_rows, params_digest
 from training.spec import LaunchSpec, RegionSpec, fsdp_conflict
@@ -130,3 +131,14 @@ def check_fsdp(spec: LaunchSpec) -> None:
     )
     if conflict:
         raise SpecError(f"launch spec: parallel.shard fsdp {conflict}")
+
+
+def data_digests(region: RegionSpec, text: bytes | None) -> dict[str, str]:
+    """What the region trains on, as digests for its ledger: each token shard's manifest
+    (which names every input's and shard's sha256), or the raw text the region read."""
+    if text is not None:
+        return {"text": hashlib.sha256(text).hexdigest()}
+    return {
+        s.name: hashlib.sha256((prepared_path(s.uri) / "manifest.json").read_bytes()).hexdigest()
+        for s in region.shards
+    }

@@ -4,6 +4,7 @@ tokenizer (examples/tiny-llama), token shards each region prepares from its own 
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ import torch
 import yaml
 
 from tests.integration.helpers import geotrain, small_stack
+from training.audit import ledger
 
 pytestmark = pytest.mark.timeout(600)
 ROOT = Path(__file__).resolve().parents[2]
@@ -40,6 +42,14 @@ def test_hf_llama_prepares_trains_and_exports_with_equal_logits(tmp_path: Path) 
     r = geotrain("train", "--stack", str(stack), cwd=tmp_path)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "trained" in r.stdout
+    # each region's ledger names the manifest of the data it trained on, by digest
+    for region in ("beijing", "frankfurt", "silicon-valley"):
+        path = tmp_path / ".geotrain/hf/ledger" / f"{region}.jsonl"
+        public = ledger.public_from_hex(path.with_suffix(".pub").read_text().strip())
+        start = ledger.read_chain(path, region, public)[0]
+        manifest = (tmp_path / "data" / region / "manifest.json").read_bytes()
+        digests = [v["sha256"] for k, v in start.subject.items() if k.startswith("data/")]
+        assert digests == [hashlib.sha256(manifest).hexdigest()], start.subject
     out = tmp_path / "exported"
     r = geotrain("export", "--stack", str(stack), "--out", str(out), cwd=tmp_path)
     assert r.returncode == 0, r.stdout + r.stderr

@@ -48,10 +48,13 @@ def open_for(
     session: Session,
     run_dir: Path | None,
     node: str,
+    data: dict[str, str] | None = None,
 ) -> Ledger | None:
     """A collective on every rank: region leaders open their chain, every rank learns
     every region's public key (authenticated under the run key) and the config digest
-    every rank computed, and each leader signs a `start` entry naming them all."""
+    every rank computed, and each leader signs a `start` entry naming them all, with
+    `data`: the sha256 of each of its region's data shards (training.workload.data_digests),
+    proof of what trained that reveals none of it."""
     global _recording
     _recording = run_dir is not None
     if run_dir is None:
@@ -71,7 +74,8 @@ def open_for(
         keys = {r: k for r, k, _ in views if k is not None}
         ledger.append(
             "start",
-            {"launch-spec": {"sm3": config}},
+            {"launch-spec": {"sm3": config}}
+            | {f"data/{topo.region}/{k}": {"sha256": v} for k, v in (data or {}).items()},
             epoch=session.epoch,
             session=session.id.hex(),
             node=node,
