@@ -1,7 +1,7 @@
 """Peak memory per rank: a whole replica per rank against FSDP2 inside the region
 (training.parallel), on a real 2-rank gloo region on this machine.
 
-Protocol (fixed before the runs): a Llama config of ~270M parameters (hidden 1024, 16
+Protocol (fixed before the runs): a Llama config of 246M parameters (hidden 1024, 16
 layers, 16 heads, 4 KV heads, MLP 2816, vocab 32000, untied), fp32 weights, AdamW; 2
 ranks per region, batch 1 x 128 tokens, 3 optimizer steps, the same seed in both modes.
 `replicated` averages the gradients inside the region with one all-reduce (what
@@ -12,7 +12,7 @@ kernel's high-water mark of the process (VmHWM), and the growth over the process
 the model was built.
 
 Why this model: replicated, its AdamW state is 16 bytes a parameter (weights, gradients,
-two moments) = 4.3 GB a rank; six ranks (3 regions x 2) need ~26 GB before activations
+two moments) = 3.9 GB a rank; six ranks (3 regions x 2) need ~24 GB before activations
 and the interpreter, more than this machine's 24 GB. Target: FSDP's peak per rank at most
 0.6x the replicated one.
 
@@ -122,7 +122,7 @@ def main() -> None:
     six = 6 * peak["replicated"] / gib
     lines += [
         "",
-        f"FSDP / replicated, largest rank: peak {ratio:.2f}x, growth {gratio:.2f}x "
+        f"FSDP / replicated, largest rank: peak {ratio:.3f}x, growth {gratio:.3f}x "
         f"(target: peak <= 0.60x: {'met' if ratio <= 0.6 else 'not met'}).",
         f"Six replicated ranks (3 regions x 2) would peak at {six:.1f} GiB together; "
         f"six FSDP ranks at {6 * peak['fsdp'] / gib:.1f} GiB (this machine: 24 GiB).",

@@ -2,11 +2,12 @@
 and the ledger need.
 
 `shard` wraps each transformer block (a Hugging Face model's `_no_split_modules`, else
-the items of the model's top-level ModuleLists) and then the root with `fully_shard` on a
-1-D mesh of the region's group. After backward every gradient is a DTensor whose local
-tensor is the region's mean of this rank's shard (FSDP's reduce-scatter); `local_grads`
-hands those local tensors to the cross-region sync, which averages each shard with the
-same shard of the other regions. The optimizer steps on the sharded parameters.
+the items of the model's top-level ModuleLists), untied input and output embeddings, and
+then the root with `fully_shard` on a 1-D mesh of the region's group. After backward
+every gradient is a DTensor whose local tensor is the region's mean of this rank's shard
+(FSDP's reduce-scatter); `local_grads` hands those local tensors to the cross-region
+sync, which averages each shard with the same shard of the other regions. The optimizer
+steps on the sharded parameters.
 """
 
 from __future__ import annotations
@@ -40,6 +41,22 @@ def blocks(model: nn.Module) -> list[nn.Module]:
     return out
 
 
+def embeddings(model: nn.Module) -> list[nn.Module]:
+    """A Hugging Face model's input and output embeddings, each its own unit when they
+    share no weight: with a large vocabulary they are the largest modules, and left in the
+    root unit both would be gathered whole, with their whole gradients, for the entire
+    forward and backward (what torchtitan shards apart too)."""
+    get_in = getattr(model, "get_input_embeddings", None)
+    get_out = getattr(model, "get_output_embeddings", None)
+    emb = get_in() if get_in is not None else None
+    head = get_out() if get_out is not None else None
+    mods = [m for m in (emb, head) if isinstance(m, nn.Module)]
+    weights = [getattr(m, "weight", None) for m in mods]
+    if len(mods) == 2 and weights[0] is weights[1]:  # tied: one parameter, one unit (root)
+        return []
+    return mods
+
+
 def shard(model: nn.Module, groups: Groups, spec: ParallelSpec) -> nn.Module:
     """`model` sharded in place over the region (groups.intra) and returned."""
     mesh = DeviceMesh.from_group(groups.intra, groups.device.type)
@@ -57,7 +74,7 @@ def shard(model: nn.Module, groups: Groups, spec: ParallelSpec) -> nn.Module:
                 "your python: factory's module"
             )
         enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    units = blocks(model)
+    units = blocks(model) + embeddings(model)
     for unit in units:
         fully_shard(unit, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
