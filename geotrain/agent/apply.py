@@ -356,15 +356,22 @@ class Apply:
         for old in [x for x in self.state.d["addresses"] if x not in want_addrs]:
             netlink.del_address(old["ifname"], old["address"])
             self.changed.append(f"address {old['address']} removed")
+        # the state records an address or route as the agent's only when the agent created
+        # it (now, or in an earlier apply): one that was there before (a cloud instance's own
+        # primary address, an operator's route) is used, never recorded, never removed
+        ours_addrs = [x for x in self.state.d["addresses"] if x in want_addrs]
+        ours_routes = [x for x in self.state.d["routes"] if x in want_routes]
         for x in want_addrs:
             if netlink.add_address(x["ifname"], x["address"]):
                 self.undo.append(functools.partial(netlink.del_address, x["ifname"], x["address"]))
                 self.changed.append(f"address {x['address']} on {x['ifname']}")
+                ours_addrs.append(x)
         for x in want_routes:
             if netlink.add_route(x["dst"], x["via"]):
                 self.undo.append(functools.partial(netlink.del_route, x["dst"], x["via"]))
                 self.changed.append(f"route {x['dst']} via {x['via']}")
-        self.state.d["addresses"], self.state.d["routes"] = want_addrs, want_routes
+                ours_routes.append(x)
+        self.state.d["addresses"], self.state.d["routes"] = ours_addrs, ours_routes
 
     def wireguard(self) -> None:
         tunnels = self.spec.tunnels
