@@ -119,11 +119,20 @@ class TransientReject(PayloadRejected):
     exit_code = 3
 
 
+class ReplayReject(TransientReject):
+    """A payload that authenticates but is addressed elsewhere (another run, session,
+    epoch, step, rank, bucket, part or stage): honest traffic replayed or redirected, which
+    anyone on the path can do without the run key. Nothing of it is used; it is counted
+    (the rejected-payload alert fires) and, as for any transient reject, the group restarts
+    from the newest checkpoint in a new session, whose keys no recorded payload matches.
+    Never a reason to stop the job."""
+
+
 class HostileReject(PayloadRejected):
-    """A payload that authenticates but is not what the receiver expects (another run,
-    session, epoch, step, link, stage or shape): a replay of captured traffic or a peer
-    holding the run key that misbehaves. Nothing of it is used; restarting cannot help, so
-    the job stops (exit 2) and the rejected-payload alert fires."""
+    """A payload that authenticates at the receiver's own address but that no honest
+    sender writes (another shape, quantizer or cipher; a body of the wrong size; an unused
+    code): a peer holding the run key misbehaves, which restarting cannot help. Nothing of
+    it is used; the job stops (exit 2) and the rejected-payload alert fires."""
 
 
 class SessionError(GeotrainError):

@@ -18,7 +18,7 @@ from training.comm.session import Control, Pending
 from training.comm.topology import Groups, Topology
 from training.data.loader import ByteLoader
 from training.data.tokens import MixtureLoader, TokenLoader
-from training.errors import HostileReject, PayloadRejected
+from training.errors import HostileReject, PayloadRejected, ReplayReject
 from training.observe.metrics import RuntimeMetrics
 from training.privacy.dpsgd import PoissonLoader, RegionPrivacy
 from training.spec import LaunchSpec
@@ -109,7 +109,7 @@ def rejected(job: Job, e: PayloadRejected) -> None:
     total = job.metrics.reject()
     job.emit(
         "rejected",
-        kind="hostile" if hostile else "transient",
+        kind="hostile" if hostile else "replayed" if isinstance(e, ReplayReject) else "transient",
         reason=str(e)[:500],
         total=total,
         step=job.step,

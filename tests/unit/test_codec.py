@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from training.comm.session import Session
-from training.errors import HostileReject, TransientReject
+from training.errors import HostileReject, ReplayReject, TransientReject
 from training.spec import CodecSpec
 from training.sync.codec import HEADER, Address, Codec
 
@@ -132,13 +132,13 @@ TAMPER = {
     "truncated": (lambda p: (p[: len(p) - 20], ADDR), TransientReject),
     "header-only": (lambda p: (p[: HEADER.size], ADDR), TransientReject),
     "not-a-payload": (lambda p: (b"x" * len(p), ADDR), TransientReject),
-    "replayed-old-step": (lambda p: (p, _at(step=8)), HostileReject),
-    "misaddressed-source": (lambda p: (p, _at(source=0)), HostileReject),
-    "misaddressed-destination": (lambda p: (p, _at(dest=5)), HostileReject),
-    "misaddressed-bucket": (lambda p: (p, _at(bucket=3)), HostileReject),
-    "other-part": (lambda p: (p, _at(part=1)), HostileReject),
-    "other-stage": (lambda p: (p, _at(stage=1)), HostileReject),
-    "other-epoch": (lambda p: (p, _at(epoch=1)), HostileReject),
+    "replayed-old-step": (lambda p: (p, _at(step=8)), ReplayReject),
+    "misaddressed-source": (lambda p: (p, _at(source=0)), ReplayReject),
+    "misaddressed-destination": (lambda p: (p, _at(dest=5)), ReplayReject),
+    "misaddressed-bucket": (lambda p: (p, _at(bucket=3)), ReplayReject),
+    "other-part": (lambda p: (p, _at(part=1)), ReplayReject),
+    "other-stage": (lambda p: (p, _at(stage=1)), ReplayReject),
+    "other-epoch": (lambda p: (p, _at(epoch=1)), ReplayReject),
 }
 
 
@@ -156,7 +156,7 @@ def test_tampered_payload_is_rejected(case: str) -> None:
 def test_payload_of_another_run_or_session_is_rejected_as_a_replay() -> None:
     payload, _ = _codec().encode(torch.randn(1000), ADDR)
     for other in (Session("run-b", SESSION.id, 0), Session("run-a", bytes(16), 0)):
-        with pytest.raises(HostileReject, match="another run or session"):
+        with pytest.raises(ReplayReject, match="another run or session"):
             _codec(session=other).decode(payload, ADDR, 1000)
 
 

@@ -33,6 +33,7 @@ from training.comm.topology import Topology, make_groups
 from training.errors import (
     CheckpointError,
     HostileReject,
+    ReplayReject,
     RollbackError,
     SessionError,
     TransientReject,
@@ -96,7 +97,8 @@ def test_a_payload_recorded_in_an_earlier_session_is_refused_as_a_replay(
     recorded, _ = _codec(S1).encode(torch.randn(N), ADDR)
     later = _codec(S2)  # same run, same key file, the next launch
     for expect in (ADDR, dataclasses.replace(ADDR, epoch=S2.epoch)):
-        with pytest.raises(HostileReject, match="replayed from another run or session"):
+        # anyone on the path can replay: dropped and counted, a transient reject
+        with pytest.raises(ReplayReject, match="replayed from another run or session"):
             later.decode(recorded, expect, N)
     assert later.stats.rejected == 2 and not nothing_decoded
 
@@ -202,7 +204,7 @@ def _misrouted(rank: int, world: int) -> tuple[str, float]:
     x = torch.ones(4000)
     try:
         sync.all_reduce(x, step=5)
-    except HostileReject as e:
+    except ReplayReject as e:  # a redirect looks like one: dropped, counted, transient
         return str(e), x.sum().item()
     except RuntimeError:  # a peer that refused left the collective
         return "aborted", x.sum().item()
@@ -668,3 +670,25 @@ def _resume_without_pickle(rank: int, world: int, root: str) -> list[Any]:
 def test_checkpoint_agreement_between_nodes_carries_no_pickle(tmp_path: Path) -> None:
     out = run_world(_resume_without_pickle, 2, str(tmp_path))
     assert out == [["step-1", []], ["step-1", []]]
+
+
+def test_a_replayed_payload_is_counted_as_replayed_and_does_not_stop_the_job() -> None:
+    """Anyone on the path can replay recorded traffic: the reject is transient (exit 3,
+    restart in a new session) and counted as `replayed`; only a key holder's payload of a
+    shape no honest sender writes stops the job."""
+    from types import SimpleNamespace
+
+    from training.job import rejected
+
+    recorded, _ = _codec(S1).encode(torch.randn(N), ADDR)
+    with pytest.raises(ReplayReject) as caught:
+        _codec(S2).decode(recorded, ADDR, N)
+    assert isinstance(caught.value, TransientReject) and caught.value.exit_code == 3
+    emitted: list[dict[str, object]] = []
+    job = SimpleNamespace(
+        metrics=SimpleNamespace(reject=lambda: 1, serving=False),
+        emit=lambda event, **kw: emitted.append({"event": event, **kw}),
+        step=7,
+    )
+    rejected(job, caught.value)  # type: ignore[arg-type]
+    assert emitted[0]["kind"] == "replayed" and emitted[0]["total"] == 1

@@ -27,7 +27,9 @@ number of values, and through its own spec the quantizer and block size). A payl
 checked in this order, and nothing sized by the header is allocated before the end:
 1. framing (length, magic, version): else TransientReject;
 2. the header against the expectation; on a difference the payload is authenticated as
-   it claims to be: authentic means a replay or a misbehaving key holder
+   it claims to be: authentic and addressed elsewhere means a replay or redirect of
+   honest traffic (ReplayReject, transient: counted, never a reason to stop), authentic
+   at this address in a shape no honest sender writes means a misbehaving key holder
    (HostileReject), not authentic means corruption or a forgery (TransientReject);
 3. authentication under the expected key: else TransientReject;
 4. the body's exact size (zstd's declared content size, then the decompressed bytes):
@@ -66,7 +68,13 @@ from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
 from training.comm.session import Session, derive, link_info
-from training.errors import HostileReject, PayloadRejected, SpecError, TransientReject
+from training.errors import (
+    HostileReject,
+    PayloadRejected,
+    ReplayReject,
+    SpecError,
+    TransientReject,
+)
 from training.spec import CodecSpec
 
 QUANT = {"none": 0, "fp16": 1, "bf16": 2, "int8": 3, "int4": 4, "ternary": 5}
@@ -411,18 +419,23 @@ class Codec:
                 f"{where} has a garbled header ({', '.join(wrong)} differ and it does not "
                 f"authenticate as it claims); {detail}; not applied"
             )
-        what = (
-            "replayed from another run or session"
-            if {"run", "session"} & set(wrong)
-            else "replayed (old step)"
-            if got.step < expect.step
-            else "of the wrong shape"
-            if {"numel", "block", "quantizer", "cipher"} & set(wrong)
-            else "misaddressed"
-        )
-        raise HostileReject(
-            f"{where} is an authentic payload {what} ({', '.join(wrong)} differ): {detail}; "
-            "not applied"
+        if {"run", "session", "address"} & set(wrong):
+            # honest traffic replayed or redirected: a keyless party on the path can do
+            # it, so it is dropped and counted, never a reason to stop the job
+            what = (
+                "replayed from another run or session"
+                if {"run", "session"} & set(wrong)
+                else "replayed (old step)"
+                if got.step < expect.step
+                else "misaddressed (replayed or redirected)"
+            )
+            raise ReplayReject(
+                f"{where} is an authentic payload {what} ({', '.join(wrong)} differ): "
+                f"{detail}; not applied"
+            )
+        raise HostileReject(  # at this address, a shape no honest sender writes
+            f"{where} is an authentic payload of the wrong shape ({', '.join(wrong)} "
+            f"differ): {detail}; not applied"
         )
 
     def _seal(self, body: bytes, h: _Header, header: bytes, salt: bytes) -> bytes:
