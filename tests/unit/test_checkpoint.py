@@ -40,6 +40,7 @@ def _ckpt(
     key: bytes = KEY,
     keep: int = 3,
     nodes: list[list[int]] = ONE_NODE,
+    allow_rollback: bool = False,
 ) -> Checkpointer:
     """This rank's checkpointer; node i holds the ranks nodes[i] and is called n<i>. A
     root with {node} gives every node its own directory, as on separate hosts."""
@@ -48,7 +49,14 @@ def _ckpt(
     i = next(i for i, ranks in enumerate(nodes) if dist.get_rank() in ranks)
     name = f"n{i}"
     return Checkpointer(
-        node_root(str(root), "test", name, "r"), name, run_id, key, keep, group, world
+        node_root(str(root), "test", name, "r"),
+        name,
+        run_id,
+        key,
+        keep,
+        group,
+        world,
+        allow_rollback=allow_rollback,
     )
 
 
@@ -72,9 +80,15 @@ def _save_steps(
 
 
 def _latest(
-    rank: int, world: int, root: str, run_id: str, key: bytes, nodes: list[list[int]]
+    rank: int,
+    world: int,
+    root: str,
+    run_id: str,
+    key: bytes,
+    nodes: list[list[int]],
+    allow_rollback: bool = False,
 ) -> Any:
-    c = _ckpt(Path(root), run_id, key, nodes=nodes)
+    c = _ckpt(Path(root), run_id, key, nodes=nodes, allow_rollback=allow_rollback)
     d = c.latest()
     if d is None:
         return None, c.fallbacks
@@ -96,9 +110,13 @@ def _make(
 
 
 def _resume(
-    root: Path, run_id: str = "run-a", key: bytes = KEY, nodes: list[list[int]] = ONE_NODE
+    root: Path,
+    run_id: str = "run-a",
+    key: bytes = KEY,
+    nodes: list[list[int]] = ONE_NODE,
+    allow_rollback: bool = False,
 ) -> Any:
-    out = run_world(_latest, sum(map(len, nodes)), str(root), run_id, key, nodes)
+    out = run_world(_latest, sum(map(len, nodes)), str(root), run_id, key, nodes, allow_rollback)
     return out[0] if nodes == ONE_NODE else out
 
 
@@ -138,13 +156,37 @@ def test_retention_keeps_only_the_newest(tmp_path: Path) -> None:
     assert sorted(p.name for p in root.iterdir() if p.is_dir()) == ["step-3", "step-4", "step-5"]
 
 
-def test_resume_uses_previous_checkpoint_when_latest_is_torn(tmp_path: Path) -> None:
+def test_a_deleted_marker_at_the_high_water_mark_is_restored_not_rolled_back(
+    tmp_path: Path,
+) -> None:
+    """Deleting the newest step's marker used to make it a torn save and resume the step
+    before, with no override (a rollback within `keep`). Its manifest and files verify:
+    the commit is finished again and the run resumes where it was."""
     root = _make(tmp_path)
     (root / "step-2" / "n0" / MARKER).unlink()
     name, fallbacks, value = _resume(root)
-    assert (name, value) == ("step-1", 1.0)
-    assert "no commit marker" in fallbacks[0].reason
-    assert fallbacks[0].moved_to is None and not (root / "step-2").exists()
+    assert (name, value) == ("step-2", 2.0) and fallbacks == []
+    assert (root / "step-2" / "n0" / MARKER).exists()
+
+
+def test_a_deleted_marker_with_an_altered_file_at_the_mark_is_a_rollback(tmp_path: Path) -> None:
+    root = _make(tmp_path)
+    (root / "step-2" / "n0" / MARKER).unlink()
+    _corrupt(root)
+    with pytest.raises(RuntimeError, match=r"rollback refused.*step 2"):
+        _resume(root)
+    assert len(_quarantined(root)) == 1  # kept as evidence, not deleted
+    name, fallbacks, value = _resume(root, allow_rollback=True)  # the operator's choice
+    assert (name, value) == ("step-1", 1.0) and "allowed" in fallbacks[0].reason
+
+
+def test_a_torn_save_above_the_high_water_mark_is_removed(tmp_path: Path) -> None:
+    root = _make(tmp_path)
+    shutil.copytree(root / "step-2", root / "step-3")  # a save that died before its mark
+    (root / "step-3" / "n0" / MARKER).unlink()
+    name, fallbacks, value = _resume(root)
+    assert (name, value) == ("step-2", 2.0)
+    assert "no commit marker" in fallbacks[0].reason and not (root / "step-3").exists()
 
 
 def _corrupt(root: Path, node: str = "n0") -> None:
@@ -347,13 +389,12 @@ def test_a_failed_marker_write_leaves_no_high_water_mark_above_the_committed_ste
 ) -> None:
     """The mark is raised before the marker is written. When that write fails (the disk
     full, so the mark cannot come down again), the torn step stays for resume, which
-    accepts a torn step at the mark; removed, it read as a rollback of step 2."""
+    finishes its commit (manifest and files verify); removed, it read as a rollback."""
     root = tmp_path / "ckpt"
     first, second = run_world(_marker_write_fails, 1, str(root))[0].split("|")
     assert first == "saved" and "No space left" in second, second
     name, fallbacks, value = _resume(root)
-    assert (name, value) == ("step-1", 1.0)
-    assert [(f.step, f.reason) for f in fallbacks] == [(2, "no commit marker (torn save)")]
+    assert (name, value) == ("step-2", 1.0) and fallbacks == []  # the commit is finished
 
 
 needs_root = pytest.mark.skipif(

@@ -34,8 +34,12 @@ Rollback: each node keeps a MAC'd record (`high-water-<node>.json` in `state_dir
 run dir under the launcher, else the root) of the highest step it started to commit
 (written before the marker) and of the launch epoch. Resume refuses, on every rank, to
 go back past a node's high-water mark unless that step was seen and set aside with a
-reason (torn, quarantined): a renamed or deleted newer checkpoint, or a deleted record,
-is a RollbackError unless the operator allows it (GEOTRAIN_ALLOW_ROLLBACK=1). Deleting a
+reason (quarantined): a renamed or deleted newer checkpoint, or a deleted record, is a
+RollbackError unless the operator allows it (GEOTRAIN_ALLOW_ROLLBACK=1). A step at or
+below the mark without its commit marker was committed: when its manifest and files
+verify, resume writes the marker again (a commit cut short between the mark and the
+marker, or a marker deleted to roll back, which then gains nothing); when they do not, it
+is quarantined and the resume is a rollback, refused unless allowed. Deleting a
 node's whole checkpoint root together with its record starts over, like `--fresh`.
 
 Saves are asynchronous. `save` only deep-copies the state's plain values and hands its
@@ -198,6 +202,10 @@ class Fallback:
     reason: str
     moved_to: str | None
     """Its quarantine directory; None when it was deleted (a torn save holds nothing)."""
+
+
+def _because(problem: Problem | None) -> str:
+    return f" ({problem[1]})" if problem is not None else " (the marker could not be written)"
 
 
 def _digest_files(d: Path) -> dict[str, str]:
@@ -414,9 +422,9 @@ class Checkpointer:
 
     def _write_error(self, where: Path, e: BaseException) -> CheckpointError:
         # the torn attempt only wastes space; but not at the high-water mark (its marker
-        # write failed after the mark went up): resume accepts a torn step there and
-        # removes it, while a vanished one reads as a rollback (and lowering the mark
-        # needs the space a full disk does not have)
+        # write failed after the mark went up): resume finishes that commit when its
+        # manifest and files verify, while a vanished one reads as a rollback (and
+        # lowering the mark needs the space a full disk does not have)
         mark = self._record.get("high_water")
         if (
             self.leader
@@ -489,11 +497,22 @@ class Checkpointer:
         torn: list[Fallback] = []
         mine: list[int] | None = None
         record: dict[str, Any] = {}
-        if self.leader:  # a save that died leaves a directory without a marker
+        if self.leader:
+            mark = self._record.get("high_water")
             for s in self._steps():
-                if not (self.dir_of(s) / MARKER).exists():
-                    self._remove(self.dir_of(s))
+                d = self.dir_of(s)
+                if (d / MARKER).exists():
+                    continue
+                if mark is None or s > mark:  # a save that died before the mark went up
+                    self._remove(d)
                     torn.append(Fallback(s, self.node, "no commit marker (torn save)", None))
+                elif not self._finish_commit(d):
+                    # at or below the mark the step was committed: a marker that is gone
+                    # and a manifest or file that no longer verifies is a rollback (the
+                    # step stays out of `torn`, so resume refuses unless allowed)
+                    why = self._manifest_problem(d)
+                    reason = f"no commit marker at or below the high-water mark{_because(why)}"
+                    self._quarantine(s, "no-marker", reason)
             mine = self._committed()
             record = {"high_water": self._record.get("high_water"), "why": self._record_problem}
         views = [
@@ -548,7 +567,9 @@ class Checkpointer:
                 and (mark, node) not in torn
             ):
                 why = f"step {mark} (its high-water mark) was committed and is gone"
-                issues.append(Fallback(mark, node, f"{why} (deleted or renamed)", None))
+                issues.append(
+                    Fallback(mark, node, f"{why} (deleted, renamed or altered)", None)
+                )
         if issues and not self.allow_rollback:
             first = issues[0]
             raise RollbackError(
@@ -616,6 +637,26 @@ class Checkpointer:
         this step and this node, and complete."""
         if not (d / MARKER).exists():
             return "torn", "no commit marker (torn save)"
+        return self._manifest_problem(d)
+
+    def _finish_commit(self, d: Path) -> bool:
+        """Write the marker of a step at or below the high-water mark whose manifest and
+        files all verify: a commit cut short between the mark and the marker (a kill, a
+        full disk), or a marker deleted to roll the run back, which then gains nothing.
+        False when the step does not verify or the marker cannot be written."""
+        if self._manifest_problem(d) is not None:
+            return False
+        body = json.loads((d / MANIFEST).read_text(encoding="utf-8"))
+        body.pop("hmac")
+        canon = json.dumps(body, sort_keys=True).encode()
+        try:
+            _write_atomic(d / MARKER, hashlib.sha256(canon).hexdigest() + "\n")
+        except OSError:
+            return False
+        return True
+
+    def _manifest_problem(self, d: Path) -> Problem | None:
+        """Why `d`'s manifest or files do not verify (its marker aside), or None."""
         try:
             body = json.loads((d / MANIFEST).read_text(encoding="utf-8"))
             mac = body.pop("hmac")
