@@ -231,3 +231,39 @@ def test_diloco_regions_hold_identical_weights_after_every_merge(tmp_path: Path)
     ok = geotrain("ledger", "verify", "--stack", str(stack), cwd=tmp_path)
     assert ok.returncode == 0, ok.stdout + ok.stderr
     assert "5 launches/merges/syncs cross-checked" in ok.stdout, ok.stdout  # start, 3, end
+
+
+def _parent(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def test_a_killed_torchrun_agent_is_started_again_and_the_run_ends_bitwise_equal(
+    tmp_path: Path,
+) -> None:
+    """kill -9 of a node's torchrun agent (what the OOM killer does) ended the run with
+    exit 2 and no final weights; the launcher now starts the agent again like a worker."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    ref = geotrain("train", "--stack", str(small_stack(a, "agent")), cwd=a)
+    assert ref.returncode == 0, ref.stdout + ref.stderr
+    proc = start("train", "--stack", str(small_stack(b, "agent")), cwd=b)
+    run_dir = b / ".geotrain" / "agent"
+    deadline = time.monotonic() + 300
+    agent = None
+    while agent is None and time.monotonic() < deadline and proc.poll() is None:
+        ev = events(run_dir)
+        step = max((e["step"] for e in ev if e["event"] == "step"), default=0)
+        common = set.intersection(*(committed(run_dir / "checkpoints", n) for n in NODES))
+        if step >= 4 and common:
+            worker = next(e["pid"] for e in ev if e["event"] == "start" and e["node"] == "fra-0")
+            agent = _parent(worker)
+            os.kill(agent, signal.SIGKILL)
+        time.sleep(0.05)
+    out, _ = proc.communicate(timeout=300)
+    assert agent is not None, out
+    assert proc.returncode == 0, out
+    assert "worker fra-0/torchrun exited with -9; restarting from the newest checkpoint" in out
+    ra, rb = _final(a, "agent"), _final(b, "agent")
+    for k in ra:
+        assert torch.equal(ra[k], rb[k]), k

@@ -326,6 +326,9 @@ class Supervisor:
     """Bytes of each node's torchrun log already read."""
     failures: dict[str, int] = field(default_factory=dict)
     """Failed workers each node's agent reported (its restart count, as torchrun keeps it)."""
+    respawns: dict[str, int] = field(default_factory=dict)
+    """Torchrun agents started again after a signal killed them (OOM killer, kill -9)."""
+    env: dict[str, str] = field(default_factory=dict)
     finished_at: float | None = None
     """fault_tolerance: when the first region here finished the run (monotonic)."""
     jobs: list[RdzvJob] = field(init=False)
@@ -340,7 +343,7 @@ class Supervisor:
     ) -> None:
         log_dir = self.run_dir / "logs"
         log_dir.mkdir(parents=True, exist_ok=True)
-        env = worker_env(self.run_dir)
+        env = self.env = worker_env(self.run_dir)
         events = self.run_dir / "events.jsonl"
         # this launch's events start here: a byte offset, not a wall-clock time, which a
         # clock stepped back (NTP) would make hide this launch's bad-input events
@@ -387,6 +390,8 @@ class Supervisor:
             )
             if final is not None:
                 return final
+            for node in self._respawn_killed(ended, on_restart):
+                del ended[node]
             late_failures = self.finished_at is not None
             if not late_failures:  # after it, a late region's failures are no restarts
                 for a in new:
@@ -414,6 +419,31 @@ class Supervisor:
             if len(ended) == len(self.procs):
                 return Attempt(0)
             time.sleep(POLL_S)
+
+    def _respawn_killed(
+        self, ended: dict[str, int], on_restart: Callable[[Attempt], None] | None
+    ) -> list[str]:
+        """Start again, within max_restarts per node, every torchrun agent a signal killed
+        (the OOM killer, a kill -9: a transient fault, not the workers' failure). Its
+        workers died with it; the other nodes' agents restart theirs and meet the new
+        agent in the next rendezvous round, and every rank resumes from the newest
+        checkpoint. Returns the nodes started again."""
+        out = []
+        for node, rc in ended.items():
+            if rc >= 0 or self.finished_at is not None:
+                continue
+            if self.respawns.get(node, 0) >= self.spec.max_restarts:
+                continue
+            self.respawns[node] = self.respawns.get(node, 0) + 1
+            a = Attempt(rc, f"{node}/torchrun")
+            self.result.attempts.append(a)
+            if on_restart:
+                on_restart(a)
+            n = next(x for x in self.nodes if x.name == node)
+            cmd = torchrun_command(self.spec, self.spec_path, n)
+            self.procs[node] = spawn(cmd, self.env, self._log(node))
+            out.append(node)
+        return out
 
     def _check_stores(self) -> None:
         """A store serves until it is stopped: one that exited (its port taken, its address
