@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from training.audit import hooks as ledger_hooks
-from training.parallel.fsdp import local_grads
+from training.parallel.fsdp import is_sharded, local_grads
 from training.sync import balance
 from training.sync.buckets import GradBuffer, buckets, flat_grads, grads_of, put
 from training.sync.hier import HierarchicalAllReduce
@@ -77,7 +77,7 @@ def region_average_grads(job: Job) -> None:
     an average). The copy in, the one-rank all-reduce and the copy out cost 4 ms of a
     60 ms step at 2.45M parameters (3 one-rank regions on this 2-core machine). With
     several ranks the all-reduce runs on the gradient buffer in place (`GradBuffer`)."""
-    if job.sync.sharded:  # FSDP's reduce-scatter averaged them over the region already
+    if is_sharded(job.model):  # FSDP's reduce-scatter averaged them over the region already
         local_grads(job.model)  # zeros where autograd left none
         return
     params = list(job.model.parameters())

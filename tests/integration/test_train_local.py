@@ -141,7 +141,7 @@ def test_bad_key_file_fails_before_rendezvous_without_restarts(tmp_path: Path, c
 
 def test_spec_world_size_mismatch_is_a_clear_error(tmp_path: Path) -> None:
     from training.errors import SpecError
-    from training.job import preflight
+    from training.setup import preflight
     from training.spec import LaunchSpec
 
     spec = LaunchSpec.load(_rendered_spec(tmp_path))
