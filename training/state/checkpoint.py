@@ -567,9 +567,7 @@ class Checkpointer:
                 and (mark, node) not in torn
             ):
                 why = f"step {mark} (its high-water mark) was committed and is gone"
-                issues.append(
-                    Fallback(mark, node, f"{why} (deleted, renamed or altered)", None)
-                )
+                issues.append(Fallback(mark, node, f"{why} (deleted, renamed or altered)", None))
         if issues and not self.allow_rollback:
             first = issues[0]
             raise RollbackError(
