@@ -5,6 +5,7 @@ Packages, in the order imports run (each imports only what is listed before it, 
 two exceptions below); errors (typed exceptions) and spec (the launch spec) come first:
 - comm/     process groups and the authenticated channel every part uses: ranks and groups
             by region (topology), gloo's interface binding, sessions, key derivation, Control;
+- parallel/ FSDP2 inside a region and the views of its shards;
 - data/     a region's training data and the loader's position;
 - observe/  metric names and the Prometheus exposition, the event log, report and plot;
 - sync/     the cross-region path: codec, hierarchical all-reduce, exchange plans,
