@@ -189,12 +189,24 @@ class HierarchicalAllReduce:
         self, xs: Sequence[torch.Tensor], step: int, buckets: Sequence[int]
     ) -> list[torch.Tensor]:
         t0 = time.perf_counter()
+        if self.adaptive is not None:
+            self.adaptive.window.begin(step, sum(x.numel() for x in xs))
+        if self.sharded:
+            out = self._sharded_many(xs, step, buckets)
+        else:
+            out = self._hierarchical_many(xs, step, buckets)
+        self.stats.sync_seconds += time.perf_counter() - t0
+        self.stats.syncs += len(xs)
+        if self.adaptive is not None:
+            self.adaptive.window.end()
+        return out
+
+    def _hierarchical_many(
+        self, xs: Sequence[torch.Tensor], step: int, buckets: Sequence[int]
+    ) -> list[torch.Tensor]:
+        """Reduce-scatter in the region, exchange across, all-gather in the region."""
         topo, g = self.topo, self.groups
         n = [x.numel() for x in xs]
-        if self.adaptive is not None:
-            self.adaptive.window.begin(step, sum(n))
-        if self.sharded:
-            return self._sharded_many(xs, step, buckets, t0)
         L, C = topo.local_size, topo.cross_size
         shards = []
         for x, k in zip(xs, n, strict=True):
@@ -216,28 +228,19 @@ class HierarchicalAllReduce:
             full = self._intra_all_gather(total.to(g.device), S)
             self.stats.intra_bytes += 4 * S * (L - 1)
             out.append(full[:k].view_as(x).to(x.device))
-        self.stats.sync_seconds += time.perf_counter() - t0
-        self.stats.syncs += len(xs)
-        if self.adaptive is not None:
-            self.adaptive.window.end()
         return out
 
     def _sharded_many(
-        self, xs: Sequence[torch.Tensor], step: int, buckets: Sequence[int], t0: float
+        self, xs: Sequence[torch.Tensor], step: int, buckets: Sequence[int]
     ) -> list[torch.Tensor]:
         """`sharded`: the region means of this rank's shards, averaged across regions over
         the cross group (every local rank is in one: FSDP needs equal regions)."""
         flats = [x.detach().float().reshape(-1).cpu() for x in xs]
         totals = self._exchange_many(flats, step, buckets)  # (S,) sums over all regions
-        out = [
+        return [
             t.div_(self.topo.regions).view_as(x).to(x.device)
             for t, x in zip(totals, xs, strict=True)
         ]
-        self.stats.sync_seconds += time.perf_counter() - t0
-        self.stats.syncs += len(xs)
-        if self.adaptive is not None:
-            self.adaptive.window.end()
-        return out
 
     def _intra_reduce_scatter(self, x: torch.Tensor) -> torch.Tensor:
         """(C * S,) -> (S,): the region's sum of this rank's shard; (0,) on a local rank
