@@ -145,3 +145,10 @@ def test_fsdp_settings_without_fsdp_are_refused(tmp_path: Path) -> None:
 def test_hf_stack_validates_before_its_shards_are_prepared() -> None:
     r = CliRunner().invoke(cli, ["validate", "--stack", str(REPO / "stacks" / "Pulumi.hf.yaml")])
     assert r.exit_code == 0, r.output
+
+
+def test_the_torch_free_reference_grammar_names_the_presets_the_runtime_builds() -> None:
+    from training.models import deepseek, refs
+
+    assert refs.PRESET_NAMES == tuple(deepseek.PRESETS)
+    assert {c.vocab for c in deepseek.PRESETS.values()} == {refs.PRESET_VOCAB}

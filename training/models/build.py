@@ -21,8 +21,7 @@ from training.models.deepseek import PRESETS, DeepSeekLM
 from training.models.factory import PREFIX as PYTHON_PREFIX
 from training.models.factory import load_factory
 from training.models.hf import load_hf
-
-HF_PREFIX = "hf:"
+from training.models.refs import HF_PREFIX
 
 
 def build_model(ref: str, seq_len: int) -> nn.Module:

@@ -11,16 +11,15 @@ an output with `.logits`, or that defines `loss(tokens (B, T+1)) -> scalar`
 from __future__ import annotations
 
 import importlib
-import re
 from collections.abc import Callable
 from typing import Any
 
 from torch import nn
 
 from training.errors import MAX_ERROR_CHARS, SpecError, clip
+from training.models.refs import PYTHON_PREFIX, factory_parts
 
-PREFIX = "python:"
-_DOTTED = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
+PREFIX = PYTHON_PREFIX
 
 
 def load_factory(ref: str) -> nn.Module:
@@ -42,17 +41,13 @@ def load_factory(ref: str) -> nn.Module:
 
 def parse(ref: str) -> tuple[str, str]:
     """(module, callable) of `python:<module>:<callable>`."""
-    parts = ref.removeprefix(PREFIX).split(":")
-    if (
-        not ref.startswith(PREFIX)
-        or len(parts) != 2
-        or not all(_DOTTED.fullmatch(p) for p in parts)
-    ):
+    parts = factory_parts(ref)
+    if parts is None:
         raise _error(
             f"bad model reference '{ref}'; write python:<module>:<callable>, "
             "e.g. python:mylab.models:build"
         )
-    return parts[0], parts[1]
+    return parts
 
 
 def _resolve(ref: str, module_name: str, attr: str) -> Callable[[], Any]:

@@ -6,32 +6,25 @@ kinds); on a fleet they live on the hosts, and the workers check the same at sta
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 from infra.model.checks.common import SINGLE_MACHINE_KINDS, err
 from infra.model.schema import StackModel
 from training.data.tokenizer import BYTES
 from training.errors import GeotrainError
-
-PRESETS = ("deepseek-tiny", "deepseek-small", "deepseek-base")
-PRESET_VOCAB = 256
-"""The presets embed bytes."""
-_FACTORY = re.compile(r"python:[A-Za-z_][\w.]*:[A-Za-z_][\w.]*")
+from training.models.refs import PRESET_NAMES, PRESET_VOCAB, known_form
 
 
 def check(m: StackModel, source: str) -> None:
     t = m.training
     ref = t.model
-    if ref not in PRESETS and not ref.startswith("hf:") and not _FACTORY.fullmatch(ref):
+    if not known_form(ref):
         raise err(
             source,
             "training.model",
-            f"unknown model '{ref}'; use a preset ({', '.join(PRESETS)}), hf:<model dir> "
-            "or python:<module>:<callable>",
+            f"unknown model '{ref}'; use a preset ({', '.join(PRESET_NAMES)}), "
+            "hf:<model dir> or python:<module>:<callable>",
         )
-    if ref.startswith("hf:") and not ref[3:].strip():
-        raise err(source, "training.model", "hf: names no directory; use hf:/path/to/model")
     if not all(r.pool.kind in SINGLE_MACHINE_KINDS for r in m.regions):
         return  # the directories are on the hosts; the workers check them at start
     vocab = _embedding_rows(ref, source, t.seq_len)
@@ -74,7 +67,7 @@ def check(m: StackModel, source: str) -> None:
 
 
 def _embedding_rows(ref: str, source: str, seq_len: int) -> int | None:
-    if ref in PRESETS:
+    if ref in PRESET_NAMES:
         return PRESET_VOCAB
     if not ref.startswith("hf:"):
         return None  # a factory's module is built only by the workers
