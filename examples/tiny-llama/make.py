@@ -1,6 +1,6 @@
 """Regenerate this example's tokenizer.json and config.json (committed; rerun only to change
 them): a byte-level BPE of 2048 tokens trained on Python's bundled documentation, and a
-Llama config of ~3.3M parameters that embeds exactly that vocabulary.
+Llama config of ~2.4M parameters that embeds exactly that vocabulary.
 
     .venv/bin/python examples/tiny-llama/make.py
 """
