@@ -150,5 +150,5 @@ def test_hf_stack_validates_before_its_shards_are_prepared() -> None:
 def test_the_torch_free_reference_grammar_names_the_presets_the_runtime_builds() -> None:
     from training.models import deepseek, refs
 
-    assert refs.PRESET_NAMES == tuple(deepseek.PRESETS)
+    assert tuple(deepseek.PRESETS) == refs.PRESET_NAMES
     assert {c.vocab for c in deepseek.PRESETS.values()} == {refs.PRESET_VOCAB}
