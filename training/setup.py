@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from training import resume
 from training.audit import hooks as ledger_hooks
-from training.comm import gloo
+from training.comm import gloo, iface
 from training.comm.session import Control, agree, rendezvous_store, wait_for_all
 from training.comm.topology import Topology, make_groups
 from training.errors import SpecError
@@ -106,6 +106,8 @@ def setup(
     device = torch.device("cuda", local_rank) if node.device == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
+        # NCCL names interfaces, not addresses: the one of the private address (iface.py)
+        iface.apply_socket_env(node.host, node_name)
     # hosts start their workers as their agents finish, minutes apart on a big fleet;
     # the store waits that long for every rank to join (collectives keep 120 s)
     wait = timedelta(seconds=RENDEZVOUS_TIMEOUT_S)

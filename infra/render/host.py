@@ -7,6 +7,7 @@ that go with it: the firewall, the worker and firewall units.
 
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -181,6 +182,10 @@ def render_firewall(plan: Plan, node: PlanNode) -> str:
     - loopback, a reply, ICMP (ping, path MTU);
     - from the overlay (region subnets + tunnel nets): rendezvous, gloo's ephemeral ports,
       metrics and exporters, BGP and BFD over the tunnels;
+    - TCP from the region's own hosts' underlay addresses (`_region_peers`): NCCL, and
+      gloo under GLOO_SOCKET_IFNAME, advertise the *first* address of the interface they
+      are told to use (training/comm/iface.py), which on an SSH host is its LAN address,
+      not the region-subnet address the agent adds beside it;
     - SSH (and on the monitoring host its UIs) from network.admin_cidrs;
     - WireGuard UDP on the tunnel ports from the peer gateways' underlay addresses.
     Gateways forward only overlay to overlay. One table, replaced atomically (the
@@ -214,6 +219,10 @@ def render_firewall(plan: Plan, node: PlanNode) -> str:
         "    meta l4proto { icmp, ipv6-icmp } accept",
         "    ip saddr @overlay accept",
     ]
+    region_peers = _region_peers(plan, node)
+    if region_peers:
+        lines.insert(5, f"  set region {{ type ipv4_addr; elements = {{ {region_peers} }} }}")
+        lines.append("    meta l4proto tcp ip saddr @region accept")
     if admin:  # the pool's SSH port: the operator's next `pulumi up` comes in on it
         ssh_port = plan.region(node.region).pool.ssh.port
         lines.append(f"    tcp dport {ssh_port} ip saddr @admin accept")
@@ -243,6 +252,24 @@ def render_firewall(plan: Plan, node: PlanNode) -> str:
         ]
     lines.append("}")
     return "\n".join(lines) + "\n"
+
+
+def _region_peers(plan: Plan, node: PlanNode) -> str:
+    """The underlay addresses of `node`'s region's other hosts, as an nft element list
+    ('' when there are none to admit). Only literal addresses: a cloud node's underlay is
+    its public IP, filled in at deploy time, while its VPC address, the one its NICs
+    carry first, is already in the region subnet and so in @overlay."""
+    out = []
+    for n in plan.region(node.region).nodes:
+        if n.name == node.name:
+            continue
+        try:
+            ip = ipaddress.IPv4Address(n.address)
+        except ValueError:
+            continue
+        if not ip.is_loopback:
+            out.append(str(ip))
+    return ", ".join(sorted(set(out), key=ipaddress.IPv4Address))
 
 
 def render_firewall_unit() -> str:

@@ -89,6 +89,19 @@ def test_the_firewall_admits_the_overlay_the_admins_and_the_peer_gateways_only()
     assert "tcp dport { 9090, 9093, 3000 } ip saddr @admin accept" in mon
 
 
+def test_the_firewall_admits_tcp_from_the_regions_own_hosts_lan_addresses() -> None:
+    # NCCL advertises the first address of its interface: on an SSH host, the LAN one
+    plan = build_plan(load_stack("global"))
+    fw = render_firewall(plan, plan.node("bj-1"))
+    region = next(ln for ln in fw.splitlines() if "set region" in ln)
+    others = {f"192.0.2.{10 + i}" for i in range(8)} - {"192.0.2.11"}
+    assert set(region.split("{ ", 2)[2].split(" }")[0].split(", ")) == others
+    assert "    meta l4proto tcp ip saddr @region accept" in fw
+    assert "198.51.100.10" not in region  # another region's host is not admitted
+    local = build_plan(load_stack("local"))  # loopback-only regions: nothing to admit
+    assert all("set region" not in render_firewall(local, n) for n in local.nodes)
+
+
 def test_debians_frr_daemons_file_keeps_every_other_setting() -> None:
     text = '# comment\nbgpd=no\nospfd=no\nvtysh_enable=yes\nzebra_options="  -A 127.0.0.1"\n'
     out = _set_keys(text, {"bgpd": "yes", "bfdd": "yes"})
