@@ -103,6 +103,15 @@ class SshSettings(Strict):
     """SSH port."""
     private_key_config: str = "geotrain:sshPrivateKey"
     """Secret config key holding the operator's SSH private key (`pulumi config set --secret`)."""
+    host_keys: dict[str, str] = {}
+    """Node name -> the host's public SSH host key as in its /etc/ssh/ssh_host_ed25519_key.pub
+    (`ssh-ed25519 AAAA...`; ed25519 or ecdsa), pinned on every connection to it (kind ssh)."""
+    known_hosts: str | None = None
+    """An OpenSSH known_hosts file (absolute or `~/...`) to pin the nodes' host keys from,
+    for nodes not in `host_keys` (kind ssh); hashed entries and `[host]:port` are read."""
+    strict_host_key_checking: Literal["yes", "accept-new"] = "accept-new"
+    """As OpenSSH's option: `yes` refuses a node whose key is not in the stack;
+    `accept-new` records its key at first contact (ssh-keyscan) in state and pins it after."""
 
 
 QUANTITY = r"^[0-9]+(\.[0-9]+)?(m|k|Ki|M|Mi|G|Gi|T|Ti)?$"
