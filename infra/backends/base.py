@@ -59,6 +59,11 @@ class BackendContext:
     """Node -> the address its agent is reached on and peers connect to, for hosts whose
     address exists only once deployed (cloud instances: their public IP). Hosts listed in
     the stack use their `address`."""
+    host_keys: dict[str, pulumi.Input[str]] = field(default_factory=dict)
+    """Node -> the SSH host key (`TYPE BASE64`, ed25519 or ecdsa) that every connection to
+    it pins. A backend that makes a host's key (clouds) puts it here before the ssh
+    backend's pool() runs; pool() fills in the rest from the stack (`pool.ssh.host_keys`,
+    `known_hosts`), else from a first-contact scan recorded in state."""
     grafana_password: pulumi.Output[str] | None = None
     """Grafana's admin password when the engine made it (a secret stack output)."""
     secret: Callable[[str], pulumi.Output[str] | None] = lambda _key: None
