@@ -15,13 +15,16 @@ regions. A plan sets:
   for j under the i->j key (k cannot read it) and j checks its Address as for a direct one.
 
 Predicted seconds of a plan for a shard of S values (`predict`), per stage:
-  encode + round 1 + round 2 (only with relays) + decode
+  encode + round 1 + round 2 (only with relays) + forwarding (only with relays) + decode
   round = the slowest loaded link's RTT / 2 + its bytes / its bandwidth, plus half the
-          largest RTT (the round's size exchange crosses every link)
+          largest RTT (the round's size exchange crosses every link), plus ROUND_S
+  forwarding = the busiest relay's forwarded bytes / FORWARD_SPEED
 Links carry what the plan puts on them, a relay's forwarded bytes included (its own load
 counts). Scatter: i sends piece j (w_j S values) to j; j decodes R - 1 copies. Gather: j
 encodes its sum once and sends it to every region (one copy per first hop); every region
-decodes the pieces it did not aggregate.
+decodes the pieces it did not aggregate. ROUND_S and FORWARD_SPEED are calibrated on the
+lab measurement in benchmarks/results/topology_exchange.md (see their docstrings): without
+them the model predicted the relay plan faster than pieces only, and it measured slower.
 
 How (`plan`), after PCCL (Prime Intellect's collective library), which keeps a matrix of
 measured point-to-point bandwidths, weighs each directed link 1 / bandwidth and solves the
@@ -52,6 +55,21 @@ DEFAULT_SPEED = 200e6
 """fp32 bytes/s of an encode or decode before any is measured."""
 WIRE_RATIO = {"none": 1.0, "fp16": 0.5, "bf16": 0.5, "int8": 0.27, "int4": 0.14, "ternary": 0.05}
 """Wire bytes per fp32 byte before any is measured (zstd on top of the quantizer)."""
+ROUND_S = 0.0184
+"""Seconds a round costs beyond its links' RTT and bytes (framing, the bounded all-to-all,
+Python). Calibrated on benchmarks/results/topology_exchange.md (commit ca3207d), pieces
+only: 0.752 s of sync per step measured, where this model without ROUND_S and
+FORWARD_SPEED predicts 0.641 s for the plan agreed there (0/0/24, no relay; 3 exchanges a
+step of 510,128 + 519,696 + 196,672 values, 2 rounds each) on the matrix that run agreed
+at its first exchange (start probe: beijing-frankfurt 1.6, beijing-silicon-valley 66.3,
+frankfurt-silicon-valley 46.8 Mbit/s, RTT 11 ms; DEFAULT_SPEED; int8's WIRE_RATIO):
+(0.752 - 0.641) / 6 rounds = 18.4 ms. tests/unit/test_topo_exchange.py replays it."""
+FORWARD_SPEED = 9.84e6
+"""Bytes/s a relay forwards (it receives a payload whole, then sends it in a second round,
+on the cores its own training shares). Calibrated on the same run after ROUND_S, pieces +
+relays: 0.967 s measured, 0.567 s predicted without either constant for its plan (8/8/8,
+beijing and frankfurt relaying through silicon-valley), plus 12 rounds x ROUND_S = 0.221 s;
+the rest, 0.179 s, for 1.77 MB of model wire bytes forwarded a step: 9.84 MB/s."""
 
 
 @dataclass(frozen=True)
@@ -160,6 +178,7 @@ def predict(plan: ExchangePlan, m: LinkMatrix, values: int) -> float:
     s1, s2 = _scatter_loads(plan, size, wire)
     g1, g2 = _gather_loads(plan, size, wire)
     rounds = sum(_round(load, m, overhead) for load in (s1, s2, g1, g2))
+    rounds += sum(_forwarded(load) for load in (s2, g2)) / FORWARD_SPEED
     cpu = max(4 * (values - size[i]) / m.encode[i] for i in range(R))  # scatter encode
     cpu += max(4 * (R - 1) * size[j] / m.decode[j] for j in range(R))  # scatter decode
     cpu += max(4 * size[j] / m.encode[j] for j in range(R))  # gather encode
@@ -208,7 +227,17 @@ def first_hops(plan: ExchangePlan, i: int) -> list[int]:
 def _round(load: Loads, m: LinkMatrix, overhead: float) -> float:
     if not load:
         return 0.0
-    return overhead + max(m.rtt[a][b] / 2 + n / m.bandwidth[a][b] for (a, b), n in load.items())
+    slowest = max(m.rtt[a][b] / 2 + n / m.bandwidth[a][b] for (a, b), n in load.items())
+    return ROUND_S + overhead + slowest
+
+
+def _forwarded(second: Loads) -> float:
+    """Bytes the busiest relay forwards in a second round (a second round's loads are all
+    forwarded: each relay sends what it received for others)."""
+    out: dict[int, float] = {}
+    for (k, _), n in second.items():
+        out[k] = out.get(k, 0.0) + n
+    return max(out.values(), default=0.0)
 
 
 # -- the search ---------------------------------------------------------------------------
