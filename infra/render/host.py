@@ -8,7 +8,7 @@ that go with it: the firewall, the worker and firewall units.
 from __future__ import annotations
 
 import ipaddress
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from geotrain.agent.hostspec import (
@@ -23,7 +23,7 @@ from geotrain.agent.hostspec import (
     TunnelSpec,
     UnitSpec,
 )
-from infra.model.paths import ETC, FIREWALL_PATH, REMOTE_SPEC_PATH
+from infra.model.paths import ETC, FIREWALL_PATH, REMOTE_SPEC_PATH, RUN_KEY_PATH
 from infra.plan import Plan, PlanNode
 from infra.render.monitoring import (
     GRAFANA_DASHBOARDS,
@@ -111,6 +111,8 @@ def render_host(plan: Plan, node: PlanNode, role: HostRole) -> tuple[HostSpec, d
     run_key_path = None
     if role.training:
         spec = render_launch_spec(plan)
+        run_key_path = host_key_path(spec.key_file)
+        spec = replace(spec, key_file=run_key_path)  # the workers read it where it is written
         files["launch-spec.json"] = spec.to_json()
         file_specs.append(
             FileSpec("launch-spec.json", REMOTE_SPEC_PATH, "0640", "root", SERVICE_USER)
@@ -137,7 +139,6 @@ def render_host(plan: Plan, node: PlanNode, role: HostRole) -> tuple[HostSpec, d
                 run_once=True,
             )
         )
-        run_key_path = on_host(spec.key_file)
     host = HostSpec(
         stack=plan.stack,
         node=node.name,
@@ -166,6 +167,13 @@ def render_host(plan: Plan, node: PlanNode, role: HostRole) -> tuple[HostSpec, d
         run_key_path=run_key_path,
     )
     return host, files
+
+
+def host_key_path(key_file: str) -> str:
+    """Where a host keeps the run key: an absolute training.key_file as it is, a relative
+    one in /etc/geotrain (root's; the workers' group reads it), never in the workers' own
+    working dir, where the worker user could swap the directory the agent writes it in."""
+    return key_file if key_file.startswith("/") else RUN_KEY_PATH
 
 
 def on_host(path: str) -> str:
