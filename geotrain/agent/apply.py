@@ -6,6 +6,10 @@ nothing and says so. Everything the agent changes is recorded in its state file 
 was there before (backups of files it replaced, service states, sysctl values), and
 `remove` undoes exactly that. A step that fails undoes what this apply did, so the host is
 left as it was before the apply.
+
+Root-safe: the record lives in root's STATE_DIR (0700) and is checked field by field on
+load; every file and directory is opened, chowned and replaced through `safefs`, which
+follows no link another account could have planted.
 """
 
 from __future__ import annotations
@@ -15,11 +19,12 @@ import contextlib
 import functools
 import grp
 import hashlib
+import ipaddress
 import json
 import os
 import pwd
 import re
-import shutil
+import stat
 import subprocess
 import sys
 from collections.abc import Callable
@@ -27,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from geotrain.agent import netlink
+from geotrain.agent import bootstrap, netlink, safefs
 from geotrain.agent.bootstrap import STATE_DIR, AgentError
 from geotrain.agent.hostspec import HOSTSPEC_FILE, HostSpec, UnitSpec
 
@@ -42,6 +47,10 @@ STATE_FILE = STATE_DIR / "state.json"
 PLACEHOLDER = re.compile(r"<public key of ([a-z0-9-]+)>")
 ADDRESS = re.compile(r"<address of ([a-z0-9-]+)>")
 WG_KEY = re.compile(r"^[A-Za-z0-9+/]{42}[AEIMQUYcgkosw048]=$")
+UNIT_NAME = re.compile(r"[A-Za-z0-9@_.:-]+\.(service|socket|timer|target|path|mount)")
+IFNAME = re.compile(r"[A-Za-z0-9_.-]{1,15}")
+SYSCTL_KEY = re.compile(r"[a-z0-9_]+(\.[A-Za-z0-9_-]+)+")
+USER = re.compile(r"[a-z_][a-z0-9_-]{0,31}")
 
 
 @dataclass
@@ -94,22 +103,132 @@ class State:
 
     @staticmethod
     def load() -> State:
-        try:
-            return State(json.loads(STATE_FILE.read_text()))
-        except FileNotFoundError:
+        """The record, once its directory and file are root's alone and every entry is one
+        the agent writes (see `check`)."""
+        host = os.uname().nodename
+        with _as_agent_error(host, "state"):
+            _private_dir(STATE_FILE.parent, create=False)
+            got = safefs.read(STATE_FILE)
+        if got is None:
             return State({})
-        except ValueError:
+        data, st = got
+        if not safefs.trusted(st):
             raise AgentError(
-                os.uname().nodename,
+                host,
                 "state",
-                f"{STATE_FILE} is corrupt; inspect it, then remove it to start over",
-            ) from None
+                f"{STATE_FILE} is uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):04o}: not "
+                "root's alone, so it cannot say what to remove; inspect it, then remove it",
+            )
+        try:
+            raw = json.loads(data)
+        except ValueError:
+            raw = None
+        if not isinstance(raw, dict):
+            raise AgentError(
+                host, "state", f"{STATE_FILE} is corrupt; inspect it, then remove it to start over"
+            )
+        state = State(raw)
+        problem = state.check()
+        if problem:
+            raise AgentError(
+                host,
+                "state",
+                f"{STATE_FILE}: {problem}, which the agent never records; it was not written "
+                "by the agent: inspect it, then remove it to start over",
+            )
+        return state
+
+    def check(self) -> str | None:
+        """Why the record cannot be the agent's, or None: every path it would restore or
+        delete is absolute and normal, every backup is where the agent puts backups, no
+        restored mode is set-id, names match what systemd, the kernel and Debian allow."""
+        d = self.d
+        try:
+            for dest, rec in d["files"].items():
+                if not _normal(dest):
+                    return f"file {dest!r}"
+                backup = rec.get("backup")
+                if backup is not None and backup != str(BACKUP_DIR / dest.lstrip("/")):
+                    return f"backup {backup!r} of {dest}"
+                owner = rec.get("owner")
+                if owner is not None and not _owner_ok(owner):
+                    return f"owner and mode {owner!r} of {dest}"
+            for x in [*d["dirs"], *({"path": m} for m in d.get("made_dirs", []))]:
+                if not _normal(x["path"]) or len(Path(x["path"]).parts) < 3:
+                    return f"directory {x['path']!r}"
+            for name in d["units"]:
+                if not UNIT_NAME.fullmatch(name):
+                    return f"unit {name!r}"
+            for key, value in d["sysctl"].items():
+                if not SYSCTL_KEY.fullmatch(key) or "\n" in str(value):
+                    return f"sysctl {key!r}"
+            for a in d["addresses"]:
+                ipaddress.ip_interface(a["address"])
+                if not IFNAME.fullmatch(a["ifname"]):
+                    return f"interface {a['ifname']!r}"
+            for r in d["routes"]:
+                ipaddress.ip_network(r["dst"], strict=False)
+                ipaddress.ip_address(r["via"])
+            for ifname in d["tunnels"]:
+                if not IFNAME.fullmatch(ifname):
+                    return f"tunnel {ifname!r}"
+            user = d.get("user_created")
+            if user is not None and (not USER.fullmatch(user) or user == "root"):
+                return f"user {user!r}"
+        except (AttributeError, KeyError, TypeError, ValueError) as e:
+            return f"an entry of the wrong shape ({type(e).__name__}: {e})"
+        return None
 
     def save(self) -> None:
-        STATE_DIR.mkdir(parents=True, exist_ok=True, mode=0o700)
-        tmp = STATE_FILE.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.d, indent=1, sort_keys=True))
-        os.replace(tmp, STATE_FILE)
+        _private_dir(STATE_FILE.parent, create=True)
+        data = json.dumps(self.d, indent=1, sort_keys=True).encode()
+        safefs.write(STATE_FILE, data, 0o600)
+
+
+def _private_dir(path: Path, create: bool) -> None:
+    """The record's directory: root's, mode 0700 (bootstrap.state_dir checks and makes
+    STATE_DIR the same way)."""
+    if path == STATE_DIR:
+        bootstrap.state_dir(create)
+        return
+    st = safefs.lstat(path, strict=True)
+    if st is None and create:
+        fd = safefs.open_dir(path, create=True)
+        os.fchmod(fd, 0o700)
+        os.close(fd)
+    elif st is not None and (
+        not stat.S_ISDIR(st.st_mode) or not safefs.trusted(st) or st.st_mode & 0o077
+    ):
+        raise safefs.UnsafePath(
+            f"{path} (uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):04o}) must be a "
+            "directory of root's with mode 0700, since it drives what `remove` deletes"
+        )
+
+
+def _normal(path: object) -> bool:
+    return isinstance(path, str) and path.startswith("/") and os.path.normpath(path) == path
+
+
+def _owner_ok(owner: object) -> bool:
+    if not isinstance(owner, list) or len(owner) != 3:
+        return False
+    uid, gid, mode = owner
+    ints = all(isinstance(x, int) and x >= 0 for x in owner)
+    return ints and uid < 2**32 and gid < 2**32 and mode <= 0o1777  # no setuid/setgid
+
+
+@contextlib.contextmanager
+def _as_agent_error(node: str, step: str) -> Any:
+    """A refused path as the agent's one line, with what to do."""
+    try:
+        yield
+    except safefs.UnsafePath as e:
+        raise AgentError(
+            node,
+            step,
+            f"{e}; the agent runs as root and follows no link another account could have "
+            "planted: remove it (or give the directory back to root) and run again",
+        ) from None
 
 
 def sha(data: bytes) -> str:
@@ -169,56 +288,51 @@ class Apply:
     def put(
         self, dest: Path, data: bytes, mode: int, owner: str = "root", group: str = "root"
     ) -> bool:
-        """Install `data` at `dest` (atomic), backing up a pre-existing file once."""
+        """Install `data` at `dest` (atomic), backing up a pre-existing file once. Through
+        `safefs`: the directory must be root's, or `owner`'s when that is a daemon's (frr's
+        /etc/frr), never the worker user's; it may lie below a daemon's directory (grafana's
+        /var/lib/grafana), where no link is followed; the old file is read, and the new one
+        written and chowned, through fds that follow no link."""
+        uid, gid = _uid(owner), _gid(group)
+        dir_owner = None if owner in ("root", self.spec.service_user) else uid
         rec = self.state.d["files"].get(str(dest))
-        old = dest.read_bytes() if dest.exists() else None
-        orig = _stat_of(dest) if old is not None else None
-        same = old == data and _mode_owner(dest) == (mode, owner, group)
-        if same:
-            if rec is None:  # identical file found: still ours to track (not to delete)
+        made: list[str] = []
+        with safefs.parent(dest, create=True, strict=False, made=made) as (fd, name):
+            safefs.check_dir_for_write(fd, dest.parent, dir_owner)
+            cur = safefs.read_at(fd, name, dest)
+            old, orig = (cur[0], _owner_mode(cur[1])) if cur is not None else (None, None)
+            if old == data and orig == (uid, gid, mode):
+                if rec is None:  # identical file found: still ours to track (not to delete)
+                    self.state.d["files"][str(dest)] = {
+                        "backup": self._backup(fd, name, dest),
+                        "owner": list(orig),
+                    }
+                return False
+            if rec is None:
                 self.state.d["files"][str(dest)] = {
-                    "backup": self._backup(dest),
-                    "owner": _stat_of(dest),
+                    "backup": self._backup(fd, name, dest) if old is not None else None,
+                    "owner": list(orig) if orig is not None else None,
                 }
-            return False
-        if rec is None:
-            self.state.d["files"][str(dest)] = {
-                "backup": self._backup(dest) if old is not None else None,
-                "owner": _stat_of(dest) if old is not None else None,
-            }
-        made = [d for d in (dest.parent, *dest.parent.parents) if not d.exists()]
+            safefs.write_at(fd, name, data, mode, uid, gid)
         if made:
-            dest.parent.mkdir(parents=True)
-            self.state.d["made_dirs"] = sorted(
-                {*self.state.d.get("made_dirs", []), *map(str, made)}
-            )
-        tmp = dest.with_name(dest.name + ".geotrain-tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        shutil.chown(tmp, owner, group)
-        os.chmod(tmp, mode)
-        os.replace(tmp, dest)
+            self.state.d["made_dirs"] = sorted({*self.state.d.get("made_dirs", []), *made})
 
         def restore() -> None:
             if old is None or orig is None:
-                dest.unlink(missing_ok=True)
+                safefs.unlink(dest)
             else:
-                dest.write_bytes(old)
-                os.chown(dest, orig[0], orig[1])
-                os.chmod(dest, orig[2])
+                safefs.write(dest, old, orig[2], orig[0], orig[1], dir_owner=dir_owner)
 
         self.undo.append(restore)
         self.changed.append(str(dest))
         return True
 
-    def _backup(self, dest: Path) -> str | None:
-        if not dest.exists():
-            return None
+    def _backup(self, fd: int, name: str, dest: Path) -> str | None:
+        """Copy of the file found at `dest` (its directory's fd and name), kept once."""
         b = BACKUP_DIR / dest.as_posix().lstrip("/")
-        if not b.exists():
-            b.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(dest, b)
+        _private_dir(STATE_FILE.parent, create=True)
+        if safefs.lstat(b, strict=True) is None and safefs.copy_into(fd, name, dest, b) is None:
+            return None
         return str(b)
 
     def src(self, rel: str) -> bytes:
@@ -253,28 +367,35 @@ class Apply:
             self.changed.append(f"user {user}")
         made = {x["path"] for x in self.state.d["dirs"]}
         for d in self.spec.dirs:
-            p = Path(d.path)
-            if not p.exists():
-                p.mkdir(parents=True)
-                self.state.d["dirs"].append({"path": d.path, "keep": d.keep_on_remove})
-                self.undo.append(functools.partial(shutil.rmtree, p, ignore_errors=True))
-                self.changed.append(d.path)
-                made.add(d.path)
-            now = _mode_owner(p)
-            if now == (int(d.mode, 8), d.owner, d.group):
-                continue
-            if not d.adopt and d.path not in made and p.is_dir() and any(p.iterdir()):
-                have = f"{now[1]}:{now[2]} mode {now[0]:04o}" if now else "unreadable"
-                raise AgentError(
-                    self.node,
-                    "dirs",
-                    f"{p} already exists with files in it ({have}); the agent re-owns "
-                    "only directories it made, so their users keep them. Point "
-                    "training.checkpoint.dir at a new or empty directory, or give this one "
-                    f"over yourself: chown {d.owner}:{d.group} {p} && chmod {d.mode} {p}",
-                )
-            shutil.chown(p, d.owner, d.group)
-            os.chmod(p, int(d.mode, 8))
+            # the worker's own directories (its checkpoint root) may lie below one it owns:
+            # walked without following any link there, re-owned through the fd only
+            created: list[str] = []
+            fd = safefs.open_dir(d.path, create=True, strict=False, made=created)
+            try:
+                if d.path in created:
+                    self.state.d["dirs"].append({"path": d.path, "keep": d.keep_on_remove})
+                    self.undo.append(functools.partial(safefs.remove_tree, d.path))
+                    self.changed.append(d.path)
+                    made.add(d.path)
+                st = os.fstat(fd)
+                want = (_uid(d.owner), _gid(d.group), int(d.mode, 8))
+                if _owner_mode(st) == want:
+                    continue
+                if not d.adopt and d.path not in made and os.listdir(fd):
+                    have = f"{st.st_uid}:{st.st_gid} mode {stat.S_IMODE(st.st_mode):04o}"
+                    raise AgentError(
+                        self.node,
+                        "dirs",
+                        f"{d.path} already exists with files in it ({have}); the agent "
+                        "re-owns only directories it made, so their users keep them. Point "
+                        "training.checkpoint.dir at a new or empty directory, or give this "
+                        f"one over yourself: chown {d.owner}:{d.group} {d.path} && "
+                        f"chmod {d.mode} {d.path}",
+                    )
+                os.fchown(fd, want[0], want[1])
+                os.fchmod(fd, want[2])
+            finally:
+                os.close(fd)
 
     def files(self) -> None:
         for f in self.spec.files:
@@ -284,13 +405,33 @@ class Apply:
         self._forget_files({f.dest for f in self.spec.files})
 
     def run_key(self) -> None:
-        path = self.spec.run_key_path
-        if path is None:
+        if self.spec.run_key_path is None:
             return
+        path = Path(self.spec.run_key_path)
+        try:
+            self._run_key(path)
+        except safefs.UnsafePath as e:
+            raise AgentError(
+                self.node,
+                "run-key",
+                f"{e}; the run key must live in a directory only root can change: set "
+                "geotrain:training.key_file to /etc/geotrain/run.key (a relative key_file "
+                "is kept there on hosts)",
+            ) from None
+
+    def _run_key(self, path: Path) -> None:
+        probe = path.parent  # every directory above the key root's alone (the nearest that
+        while True:  # exists: put() makes and records the rest)
+            try:
+                os.close(safefs.open_dir(probe, strict=True))
+                break
+            except FileNotFoundError:
+                probe = probe.parent
         key = self.secrets.run_key
         if key is None:
-            if Path(path).exists():  # kept from the last apply: the key is stable per run
-                self.inputs["run-key"] = sha(Path(path).read_bytes())
+            got = safefs.read(path)
+            if got is not None:  # kept from the last apply: the key is stable per run
+                self.inputs["run-key"] = sha(got[0])
                 return
             raise AgentError(
                 self.node,
@@ -303,14 +444,15 @@ class Apply:
         data = (key + "\n").encode()
         self.inputs["run-key"] = sha(data)
         user = self.spec.service_user
-        self.put(Path(path), data, 0o400, user, _group_of(user))
+        self.put(path, data, 0o400, user, _group_of(user))
 
     def secret_files(self) -> None:
         for f in self.spec.secret_files:
             content = self.secrets.files.get(f.path)
             if content is None:
-                if Path(f.path).exists():  # kept from the last apply
-                    self.inputs[f.path] = sha(Path(f.path).read_bytes())
+                got = safefs.read(f.path)
+                if got is not None:  # kept from the last apply
+                    self.inputs[f.path] = sha(got[0])
                     continue
                 raise AgentError(
                     self.node,
@@ -401,9 +543,10 @@ class Apply:
                 )
             missing = need - set(self.secrets.wireguard)
             conf = WG_DIR / f"{t.ifname}.conf"
+            kept = safefs.read(conf) if missing else None
             if missing:
-                if conf.exists():  # keys are stable: keep the last filled config
-                    text = conf.read_text()
+                if kept is not None:  # keys are stable: keep the last filled config
+                    text = kept[0].decode()
                 else:
                     raise AgentError(
                         self.node,
@@ -432,9 +575,9 @@ class Apply:
             fresh = "frr" in _bootstrap_installed()
             self.state.d["frr"] = {"enabled": enabled and not fresh, "active": active and not fresh}
         daemons_changed = False
-        if FRR_DAEMONS.exists():
-            old = FRR_DAEMONS.read_text()
-            new = _set_keys(old, spec.daemons)
+        found = safefs.read(FRR_DAEMONS)
+        if found is not None:
+            new = _set_keys(found[0].decode(), spec.daemons)
             daemons_changed = self.put(FRR_DAEMONS, new.encode(), 0o640, "frr", "frr")
         conf = self.src(spec.src)
         conf_changed = self.put(FRR_CONF, conf, 0o640, "frr", "frr")
@@ -529,25 +672,25 @@ class Apply:
         rec = self.state.d["files"].pop(str(dest), None)
         if rec is None:
             return
-        restore_file(dest, rec)
+        restore_file(dest, rec, self.state.d.get("service_user"))
 
 
-def restore_file(dest: Path, rec: dict[str, Any]) -> None:
+def restore_file(dest: Path, rec: dict[str, Any], service_user: str | None = None) -> None:
     """Put back what was at `dest` before the agent (content, mode, owner), or remove it."""
     backup = rec.get("backup")
-    if backup and Path(backup).exists():
-        shutil.copy2(backup, dest)
+    got = safefs.read(backup) if backup else None
+    if backup and got is not None:
         uid, gid, mode = rec.get("owner") or (0, 0, 0o644)
-        os.chown(dest, uid, gid)
-        os.chmod(dest, mode)
-        Path(backup).unlink()
+        service_uid = _uid(service_user) if service_user else None
+        dir_owner = None if uid in (0, service_uid) else uid
+        safefs.write(dest, got[0], mode, uid, gid, dir_owner=dir_owner)
+        safefs.unlink(backup)
     else:
-        dest.unlink(missing_ok=True)
+        safefs.unlink(dest)
 
 
-def _stat_of(p: Path) -> tuple[int, int, int]:
-    st = p.stat()
-    return (st.st_uid, st.st_gid, st.st_mode & 0o7777)
+def _owner_mode(st: os.stat_result) -> tuple[int, int, int]:
+    return (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode))
 
 
 def apply(bundle: Path, secrets_data: bytes | None) -> dict[str, Any]:
@@ -561,7 +704,7 @@ def apply(bundle: Path, secrets_data: bytes | None) -> dict[str, Any]:
             f"this host already serves node {owner} of stack {state.d.get('stack')}; "
             "run `geotrain-node remove` there first",
         )
-    state.d.update(node=spec.node, stack=spec.stack)
+    state.d.update(node=spec.node, stack=spec.stack, service_user=spec.service_user)
     a = Apply(bundle, spec, Secrets.parse(secrets_data, spec.node), state)
     a.inputs["runtime"] = _runtime_digest()
     steps = (
@@ -577,7 +720,8 @@ def apply(bundle: Path, secrets_data: bytes | None) -> dict[str, Any]:
     )
     try:
         for step in steps:
-            step()
+            with _as_agent_error(spec.node, step.__name__.replace("_", "-")):
+                step()
     except BaseException:
         for undo in reversed(a.undo):
             with contextlib.suppress(Exception):
@@ -594,6 +738,11 @@ def remove(purge: bool) -> dict[str, Any]:
     """Undo every recorded change, newest first."""
     state = State.load()
     node = state.d.get("node") or os.uname().nodename
+    with _as_agent_error(node, "remove"):
+        return _remove(state, node, purge)
+
+
+def _remove(state: State, node: str, purge: bool) -> dict[str, Any]:
     units = state.d["units"]
     for name in [n for n in units if n.startswith("geotrain-")] + [
         n for n in units if not n.startswith("geotrain-")
@@ -616,10 +765,9 @@ def remove(purge: bool) -> dict[str, Any]:
         with contextlib.suppress(OSError):
             (Path("/proc/sys") / key.replace(".", "/")).write_text(value)
     for dest, rec in state.d["files"].items():
-        restore_file(Path(dest), rec)
+        restore_file(Path(dest), rec, state.d.get("service_user"))
     for made in sorted(state.d.get("made_dirs", []), key=len, reverse=True):
-        with contextlib.suppress(OSError):
-            Path(made).rmdir()  # directories made for files, once empty
+        safefs.rmdir(made)  # directories made for files, once empty
     frr = state.d.get("frr")
     if frr is not None:
         if frr["active"]:
@@ -629,37 +777,45 @@ def remove(purge: bool) -> dict[str, Any]:
         if frr["enabled"]:
             systemctl(node, "enable", "frr.service", check=False)
     systemctl(node, "daemon-reload", check=False)
-    for d in (USERSPACE_DROPIN.parent,):
-        with contextlib.suppress(OSError):
-            d.rmdir()
+    safefs.rmdir(USERSPACE_DROPIN.parent)
     kept = [
         Path(d["path"])
         for d in state.d["dirs"]
-        if d["keep"] and not purge and Path(d["path"]).exists() and any(Path(d["path"]).iterdir())
+        if d["keep"] and not purge and _holds_files(Path(d["path"]))
     ]
     for d in reversed(state.d["dirs"]):
         _remove_tree_except(Path(d["path"]), kept)
     user = state.d.get("user_created")
-    if user:
+    if user and _system_account(user):
         run(node, "users", ["userdel", user], check=False)
-    shutil.rmtree(BACKUP_DIR, ignore_errors=True)
-    STATE_FILE.unlink(missing_ok=True)
+    safefs.remove_tree(BACKUP_DIR)
+    safefs.unlink(STATE_FILE)
     return {"node": node, "removed": True, "kept": [str(k) for k in kept]}
 
 
 def _remove_tree_except(path: Path, kept: list[Path]) -> None:
-    """rm -r `path`, but keep every directory in `kept` (and the parents it needs)."""
-    if path in kept or not path.exists():
-        return
-    inner = [k for k in kept if path in k.parents]
-    if not inner:
-        shutil.rmtree(path, ignore_errors=True)
-        return
-    for child in path.iterdir():
-        if child.is_dir() and not child.is_symlink():
-            _remove_tree_except(child, kept)
-        else:
-            child.unlink(missing_ok=True)
+    """rm -r `path`, but keep every directory in `kept` (and the parents it needs); no
+    link below it is followed (the worker user owns most of what is removed here)."""
+    safefs.remove_tree(path, kept)
+
+
+def _holds_files(path: Path) -> bool:
+    try:
+        fd = safefs.open_dir(path, strict=False)
+    except (OSError, safefs.UnsafePath):
+        return False
+    try:
+        return bool(os.listdir(fd))
+    finally:
+        os.close(fd)
+
+
+def _system_account(user: str) -> bool:
+    """Only a system account (uid 1-999, what `useradd --system` makes) is ever deleted."""
+    try:
+        return 0 < pwd.getpwnam(user).pw_uid < 1000
+    except KeyError:
+        return False
 
 
 def _runtime_digest() -> str:
@@ -669,28 +825,15 @@ def _runtime_digest() -> str:
 
 
 def _bootstrap_installed() -> list[str]:
-    try:
-        return list(
-            json.loads((STATE_DIR / "bootstrap.json").read_text()).get("installed_packages", [])
-        )
-    except (OSError, ValueError):
-        return []
+    return [str(p) for p in bootstrap._state()["installed_packages"]]  # type: ignore[attr-defined]
 
 
-def _mode_owner(p: Path) -> tuple[int, str, str] | None:
-    try:
-        st = p.stat()
-    except FileNotFoundError:
-        return None
-    try:
-        user = pwd.getpwuid(st.st_uid).pw_name
-    except KeyError:
-        user = str(st.st_uid)
-    try:
-        group = grp.getgrgid(st.st_gid).gr_name
-    except KeyError:
-        group = str(st.st_gid)
-    return (st.st_mode & 0o7777, user, group)
+def _uid(user: str) -> int:
+    return int(user) if user.isdigit() else pwd.getpwnam(user).pw_uid
+
+
+def _gid(group: str) -> int:
+    return int(group) if group.isdigit() else grp.getgrnam(group).gr_gid
 
 
 def _group_of(user: str) -> str:

@@ -6,7 +6,8 @@ line (host, step, what to do) and leaving the host as it was before the apply:
 1. verify: the manifest's digest is the one Pulumi rendered; every file matches it;
 2. packages: `apt-get update` once, then install what is missing;
 3. runtime: the venv at /opt/geotrain/.venv holds exactly the bundle's runtime (created
-   from the bundle's wheel when absent; a read-only shared venv must already match);
+   from the bundle's wheel when absent; a read-only shared venv must already match), with
+   the CUDA build of torch the host's NVIDIA driver runs (geotrain/agent/cuda.py);
 then stage two (geotrain.agent.apply) runs in that venv with the same arguments.
 """
 
@@ -18,19 +19,38 @@ import fcntl
 import hashlib
 import json
 import os
+import re
 import shutil
+import stat
 import subprocess
 import sys
+import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 
+from geotrain.agent import cuda, safefs
 from geotrain.agent.hostspec import HOSTSPEC_FILE, MANIFEST_FILE, HostSpec
 
 VENV = Path("/opt/geotrain/.venv")
 AGENT_HOME = Path("/opt/geotrain/agent")
 """A copy of the agent (bootstrap + wheel) kept for `node remove`."""
-STATE_DIR = Path("/var/lib/geotrain/agent")
-LOCK = Path("/run/lock/geotrain-node.lock")
+STATE_DIR = Path("/var/lib/geotrain-agent")
+"""Root's record of what the agent did (state.json, bootstrap.json, backups): root, 0700.
+Never inside /var/lib/geotrain, which the worker user owns: it could rename the record's
+directory away and put a forged one in its place."""
+ETC = Path("/etc/geotrain")
+"""The only tree where `prepare` makes directories (the gateway's WireGuard key dir)."""
+LEGACY_STATE_DIR = Path("/var/lib/geotrain/agent")
+"""Where agents before this one kept it (in the worker user's tree: never read)."""
+LOCK = Path("/run/geotrain-node.lock")
+"""In /run (root's alone), not the world-writable /run/lock, where another account could
+create the lock file first (a symlink, or a file it holds locked)."""
+PACKAGE = re.compile(r"[a-z0-9][a-z0-9+.-]+")
+"""A Debian package name (Debian Policy 5.6.1): no option can pass for one."""
+APT_FILE = re.compile(
+    r"/etc/apt/(keyrings/[a-z0-9][a-z0-9-]*\.asc|sources\.list\.d/[a-z0-9][a-z0-9-]*\.list)"
+)
+"""What `add_repos` writes; the only files bootstrap's record may ask `remove` to delete."""
 BUNDLE_STORE = ".geotrain/bundles"
 """Under the login user's home: where Pulumi copies bundles (CopyToRemote)."""
 KEEP_BUNDLES = 2
@@ -47,9 +67,106 @@ class AgentError(Exception):
 def host_lock() -> Iterator[None]:
     """One agent at a time per host (a second waits, so two applies never interleave)."""
     LOCK.parent.mkdir(parents=True, exist_ok=True)
-    with open(LOCK, "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
+    try:
+        fd = os.open(LOCK, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError as e:
+        raise AgentError(
+            os.uname().nodename,
+            "lock",
+            f"cannot open {LOCK} ({e.strerror}; a symlink is never followed); remove it and "
+            "run again",
+        ) from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid not in (0, os.geteuid()):
+            raise AgentError(
+                os.uname().nodename,
+                "lock",
+                f"{LOCK} is not root's own file (uid {st.st_uid}); remove it and run again",
+            )
+        fcntl.flock(fd, fcntl.LOCK_EX)
         yield
+    finally:
+        os.close(fd)
+
+
+# -- root's record ---------------------------------------------------------------------------
+def state_dir(create: bool, host: str | None = None) -> Path | None:
+    """STATE_DIR once it is certain that only root can read or change it; None when it
+    does not exist (and `create` is False)."""
+    host = host or os.uname().nodename
+    try:
+        st = safefs.lstat(STATE_DIR, strict=True)
+    except safefs.UnsafePath as e:
+        raise AgentError(host, "state", f"{e}; the agent keeps root's record there") from None
+    if st is None:
+        if not create:
+            return None
+        fd = safefs.open_dir(STATE_DIR, create=True)
+        os.fchmod(fd, 0o700)
+        os.close(fd)
+        return STATE_DIR
+    if not stat.S_ISDIR(st.st_mode) or not safefs.trusted(st) or st.st_mode & 0o077:
+        what = "a symlink" if stat.S_ISLNK(st.st_mode) else f"uid {st.st_uid}, mode "
+        what += "" if stat.S_ISLNK(st.st_mode) else f"{stat.S_IMODE(st.st_mode):04o}"
+        raise AgentError(
+            host,
+            "state",
+            f"{STATE_DIR} ({what}) must be a directory of root's with mode 0700, since it "
+            "drives what `remove` deletes; check what is in it, then `chown root:root "
+            f"{STATE_DIR} && chmod 0700 {STATE_DIR}` (or remove it to start over)",
+        )
+    return STATE_DIR
+
+
+def read_record(name: str, host: str | None = None) -> dict[str, object] | None:
+    """A JSON record of root's from STATE_DIR (a regular file of root's that no one else
+    can write); None when there is none."""
+    host = host or os.uname().nodename
+    if state_dir(create=False, host=host) is None:
+        return None
+    path = STATE_DIR / name
+    try:
+        got = safefs.read(path)
+    except safefs.UnsafePath as e:
+        raise AgentError(host, "state", f"{e}; remove it to start over") from None
+    if got is None:
+        return None
+    data, st = got
+    if not safefs.trusted(st):
+        raise AgentError(
+            host,
+            "state",
+            f"{path} is uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):04o}: not root's "
+            "alone, so it cannot say what to remove; inspect it, then remove it to start over",
+        )
+    try:
+        out = json.loads(data)
+    except ValueError:
+        out = None
+    if not isinstance(out, dict):
+        raise AgentError(
+            host, "state", f"{path} is corrupt; inspect it, then remove it to start over"
+        )
+    return out
+
+
+def write_record(name: str, record: dict[str, object]) -> None:
+    state_dir(create=True)
+    safefs.write(STATE_DIR / name, json.dumps(record, indent=1, sort_keys=True).encode(), 0o600)
+
+
+def refuse_legacy_state(host: str) -> None:
+    """An older agent's record sits in the worker user's tree: it may be forged, so it is
+    never read; the operator decides."""
+    if (LEGACY_STATE_DIR / "state.json").exists() and state_dir(False, host) is None:
+        raise AgentError(
+            host,
+            "state",
+            f"an older agent kept its record in {LEGACY_STATE_DIR}, which the worker user "
+            "can change, so this agent does not trust it; check it, then move it to "
+            f"{STATE_DIR} (root, 0700) and run again, or remove the host by hand",
+        )
 
 
 # -- 1. verify -----------------------------------------------------------------------------
@@ -242,14 +359,88 @@ def runtime_identity(venv: Path) -> dict[str, str] | None:
         return None
 
 
+def torch_pin(wheel: Path) -> str | None:
+    """The torch version the runtime wheel pins (`Requires-Dist: torch==2.13.0`)."""
+    with zipfile.ZipFile(wheel) as z:
+        meta = next((n for n in z.namelist() if n.endswith(".dist-info/METADATA")), None)
+        text = z.read(meta).decode() if meta else ""
+    m = re.search(r"^Requires-Dist: torch\s*==\s*([0-9][0-9a-z.]*)\s*$", text, re.M)
+    return m.group(1) if m else None
+
+
+def torch_build(node: str, version: str) -> tuple[tuple[int, ...], cuda.CudaBuild] | None:
+    """(driver, the CUDA build of torch it runs); None on a host without an NVIDIA driver
+    (torch from the default index, as on every CPU host). A driver older than every build
+    stops here, naming both versions."""
+    driver = cuda.driver_version()
+    if driver is None:
+        return None
+    build = cuda.build_for(driver)
+    if build is None:
+        oldest = cuda.TORCH_CUDA_BUILDS[-1]
+        raise AgentError(
+            node,
+            "runtime",
+            f"NVIDIA driver {cuda.show(driver)} is older than torch {version} supports (its "
+            f"oldest CUDA build, {oldest.tag}, needs driver >= {cuda.show(oldest.min_driver)}); "
+            f"install driver {cuda.DRIVER_BRANCH} or newer "
+            f"(apt-get install nvidia-driver-{cuda.DRIVER_BRANCH}-server) and run again",
+        )
+    return driver, build
+
+
+def installed_torch(venv: Path) -> str | None:
+    """The local label (cu128, cpu) of the torch in `venv`, read without importing it."""
+    for version_py in sorted(venv.glob("lib/python3*/site-packages/torch/version.py")):
+        with contextlib.suppress(OSError):
+            return cuda.torch_build_of(version_py.read_text())
+    return None
+
+
+def torch_runs(tag: str | None, driver: tuple[int, ...]) -> bool:
+    """Whether the installed torch build uses this driver's GPUs (a cpu build does not; an
+    unknown label is left as the venv's builder chose)."""
+    if tag is None or tag == cuda.CPU_TAG:
+        return False
+    build = cuda.build_of_tag(tag)
+    return build is None or driver >= build.min_driver
+
+
+def ensure_torch(node: str, version: str | None, writable: bool) -> None:
+    """On a GPU host, the venv's torch is a CUDA build the driver runs: installed from
+    PyTorch's index for that CUDA when not (a read-only shared venv must already be)."""
+    picked = torch_build(node, version) if version else None
+    if picked is None:
+        return
+    driver, build = picked
+    have = installed_torch(VENV)
+    if torch_runs(have, driver):
+        return
+    if not writable:
+        raise AgentError(
+            node,
+            "runtime",
+            f"{VENV} holds torch build {have or '(none)'}, which NVIDIA driver "
+            f"{cuda.show(driver)} cannot run on the GPU, and the venv is read-only; rebuild "
+            f"it with torch=={version}+{build.tag} from {build.index_url}",
+        )
+    pip = [str(VENV / "bin" / "python"), "-m", "pip", "install", "-q", "--no-cache-dir"]
+    want = f"torch=={version}+{build.tag}"
+    _run(node, "runtime", [*pip, want, "--index-url", build.index_url], None)
+
+
 def ensure_runtime(bundle: Path, manifest: dict[str, object], node: str) -> bool:
     """Make the venv hold the bundle's runtime; True when this call created the venv."""
     want = dict(manifest["runtime"])  # type: ignore[call-overload]
     have = runtime_identity(VENV)
     ident = {"version": want["version"], "source_digest": want["source_digest"]}
-    if have == ident:
-        return False
     wheel = bundle / str(want["wheel"])
+    version = torch_pin(wheel)
+    if version:
+        torch_build(node, version)  # a driver too old for every build stops before any change
+    if have == ident:
+        ensure_torch(node, version, os.access(VENV, os.W_OK))
+        return False
     created = False
     if have is None and not (VENV / "bin" / "python").exists():
         _run(node, "runtime", [sys.executable, "-m", "venv", str(VENV)], "python3-venv")
@@ -262,6 +453,7 @@ def ensure_runtime(bundle: Path, manifest: dict[str, object], node: str) -> bool
             "and the venv is read-only; rebuild the shared venv from this checkout",
         )
     pip = [str(VENV / "bin" / "python"), "-m", "pip", "install", "-q", "--no-cache-dir"]
+    ensure_torch(node, version, True)  # first: the wheel's `torch==X` is then satisfied
     _run(node, "runtime", [*pip, "--force-reinstall", "--no-deps", str(wheel)], None)
     _run(node, "runtime", [*pip, str(wheel)], None)  # its dependencies, from the index
     if runtime_identity(VENV) != ident:
@@ -342,21 +534,35 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     bundle = Path(args.bundle).resolve()
     with host_lock():
         _, spec = verify(bundle, args.digest)
+        refuse_legacy_state(spec.node)
+        _state(spec.node)  # a record only root could have written, before anything changes
         extra = ("wireguard-go",) if spec.tunnels and wireguard_userspace() else ()
         installed_now = install_packages(spec, extra)
         _remember_packages(installed_now)
         key_dir = Path(spec.wireguard_key_dir)
         key = key_dir / "private.key"
-        if not key.exists():
-            made = [str(d) for d in (key_dir, *key_dir.parents) if not d.exists()]
-            key_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-            _remember_list("created_dirs", made)
-            private = subprocess.run(["wg", "genkey"], capture_output=True, text=True, check=True)
-            fd = os.open(key, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            with os.fdopen(fd, "w") as f:
-                f.write(private.stdout)
+        if not _under_etc(str(key_dir)):
+            raise AgentError(
+                spec.node, "wireguard", f"wireguard_key_dir {key_dir} is not under {ETC}"
+            )
+        try:
+            got = safefs.read(key)
+            if got is None:
+                made: list[str] = []
+                fd = safefs.open_dir(key_dir, create=True, made=made)
+                os.fchmod(fd, 0o700)
+                os.close(fd)
+                _remember_list("created_dirs", made)
+                private = subprocess.run(
+                    ["wg", "genkey"], capture_output=True, text=True, check=True
+                )
+                safefs.write(key, private.stdout.encode(), 0o600)
+                got = safefs.read(key)
+        except safefs.UnsafePath as e:
+            raise AgentError(spec.node, "wireguard", f"{e}; give it back to root") from None
+        assert got is not None
         public = subprocess.run(
-            ["wg", "pubkey"], input=key.read_text(), capture_output=True, text=True, check=True
+            ["wg", "pubkey"], input=got[0].decode(), capture_output=True, text=True, check=True
         ).stdout.strip()
     print(public)  # the only output: Pulumi passes it to the peers as it is
     return 0
@@ -367,6 +573,8 @@ def cmd_apply(args: argparse.Namespace) -> int:
     stdin = sys.stdin.buffer.read() if args.secrets_stdin else None
     with host_lock():
         manifest, spec = verify(bundle, args.digest)
+        refuse_legacy_state(spec.node)
+        _state(spec.node)  # a record only root could have written, before anything changes
         extra = ("wireguard-go",) if spec.tunnels and wireguard_userspace() else ()
         _remember_packages(install_packages(spec, extra))
         if ensure_runtime(bundle, manifest, spec.node):
@@ -382,46 +590,72 @@ def cmd_apply(args: argparse.Namespace) -> int:
 
 
 def cmd_remove(args: argparse.Namespace) -> int:
+    host = os.uname().nodename
     with host_lock():
-        state = _state()
-        if (VENV / "bin" / "python").exists() and (STATE_DIR / "state.json").exists():
+        refuse_legacy_state(host)
+        state = _state(host)
+        if (VENV / "bin" / "python").exists() and read_record("state.json", host) is not None:
             rc = stage_two(["remove", *(["--purge"] if args.purge else [])], None)
             if rc != 0:
                 return rc
-        packages = [str(p) for p in state.get("installed_packages", [])]  # type: ignore[attr-defined]
+        packages = [p for p in state["installed_packages"] if installed(p)]  # type: ignore[attr-defined]
         if packages:
             env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
             subprocess.run(
                 ["apt-get", "remove", "-y", "-qq", *packages], capture_output=True, env=env
             )
-        for added in state.get("added_files", []):  # type: ignore[attr-defined]
-            Path(added).unlink(missing_ok=True)
+        for added in state["added_files"]:  # type: ignore[attr-defined]
+            safefs.unlink(added)
         # deepest first: the WireGuard key dir, then /etc/geotrain when prepare made it
-        for made in sorted(state.get("created_dirs", []), key=len, reverse=True):  # type: ignore[call-overload]
-            shutil.rmtree(made, ignore_errors=True)
-        if state.get("created_venv"):
-            shutil.rmtree(VENV, ignore_errors=True)
-        shutil.rmtree(STATE_DIR, ignore_errors=True)
-        with contextlib.suppress(OSError):
-            STATE_DIR.parent.rmdir()  # /var/lib/geotrain, when it holds nothing kept
+        for made in sorted(state["created_dirs"], key=len, reverse=True):  # type: ignore[call-overload]
+            safefs.remove_tree(made)
+        if state.get("created_venv") is True:
+            safefs.remove_tree(VENV)
+        safefs.remove_tree(STATE_DIR)
         remove_agent_copy()
     print(json.dumps({"removed": True}))
     return 0
 
 
-def _state() -> dict[str, object]:
-    try:
-        out: dict[str, object] = json.loads((STATE_DIR / "bootstrap.json").read_text())
-        return out
-    except (OSError, ValueError):
-        return {}
+def _state(host: str | None = None) -> dict[str, object]:
+    """bootstrap.json: what stage one added (packages, apt files, directories, the venv),
+    each entry checked to be something stage one can have added, so that a record from
+    anyone else cannot make `remove` delete other files or packages."""
+    host = host or os.uname().nodename
+    state = read_record("bootstrap.json", host) or {}
+    lists: dict[str, list[str]] = {}
+    for key in ("installed_packages", "added_files", "created_dirs"):
+        value = state.setdefault(key, [])
+        if not isinstance(value, list) or not all(isinstance(x, str) for x in value):
+            raise AgentError(
+                host,
+                "state",
+                f"{STATE_DIR}/bootstrap.json: {key} is not a list of names; inspect the file, "
+                "then remove it to start over",
+            )
+        lists[key] = value
+    bad = [p for p in lists["installed_packages"] if not PACKAGE.fullmatch(p)]
+    bad += [f for f in lists["added_files"] if not APT_FILE.fullmatch(f)]
+    bad += [d for d in lists["created_dirs"] if not _under_etc(d)]
+    if bad:
+        raise AgentError(
+            host,
+            "state",
+            f"{STATE_DIR}/bootstrap.json asks to remove {bad[0]!r}, which the agent never "
+            "adds (packages are Debian names, files its apt sources, directories under "
+            f"{ETC}); it was not written by the agent: inspect it, then remove it",
+        )
+    return state
+
+
+def _under_etc(path: str) -> bool:
+    return os.path.normpath(path) == path and (Path(path) == ETC or ETC in Path(path).parents)
 
 
 def _remember(key: str, value: object) -> None:
     state = _state()
     state[key] = value
-    STATE_DIR.mkdir(parents=True, exist_ok=True, mode=0o700)
-    (STATE_DIR / "bootstrap.json").write_text(json.dumps(state, indent=1))
+    write_record("bootstrap.json", state)
 
 
 def _remember_list(key: str, new: list[str]) -> None:
