@@ -332,13 +332,33 @@ def top(stack: str, once: bool, interval: float) -> None:
     default=None,
     help="Tokens of the whole run (default: steps x the stack's tokens per step).",
 )
+@click.option(
+    "--target",
+    default=0.9,
+    show_default=True,
+    help="Utilisation to recommend codec, H and tau for, (0, 1).",
+)
+@click.option("--max-h", default=100, show_default=True, help="Largest DiLoCo H to recommend.")
 @friendly
-def plan_cmd(stack: str, mfu: float, tokens: float | None) -> None:
+def plan_cmd(stack: str, mfu: float, tokens: float | None, target: float, max_h: int) -> None:
     """Days, cross-region TB/day and GPU cost of the stack's run per sync mode, with the
-    formulas (infra/planner.py)."""
+    formulas, then the codec, H and tau that reach --target utilisation, with what the
+    committed parity results say of them (infra/planner.py)."""
     from infra.model import load_stack
     from infra.plan import build_plan
-    from infra.planner import estimate, format_plan, inputs_from_plan
+    from infra.planner import (
+        estimate,
+        format_plan,
+        format_recommendation,
+        inputs_from_plan,
+        recommend,
+    )
 
     inputs = inputs_from_plan(build_plan(load_stack(stack)), mfu, tokens)
-    click.echo(format_plan(inputs, estimate(inputs)))
+    rows = estimate(inputs)
+    click.echo(format_plan(inputs, rows))
+    if inputs.regions == 1:
+        click.echo("\none region: nothing crosses regions, no codec or H to recommend")
+        return
+    rec = recommend(inputs, target, max_h)
+    click.echo("\n" + format_recommendation(inputs, rec, max_h))

@@ -12,12 +12,17 @@ from geotrain.cli import cli
 from infra.model import load_stack
 from infra.plan import build_plan
 from infra.planner import (
+    RESULTS,
     Inputs,
     PlanInputError,
     active_parameters,
     estimate,
     format_plan,
     inputs_from_plan,
+    parameter_counts,
+    parity_evidence,
+    recommend,
+    utilisation,
 )
 from training.models.deepseek import preset
 from training.sync.diloco import rounds_in
@@ -183,3 +188,109 @@ def test_a_short_run_prints_its_days_not_zero() -> None:
     rows = estimate(dataclasses.replace(BASE, tokens=100 * 4e6))
     text = format_plan(BASE, rows)
     assert "| 0.0 |" not in text and "| diloco-H100-int8 | 0.0082 |" in text
+
+
+# -- total parameters for bytes, active ones for compute; the recommendation -------------
+V2_LITE = dataclasses.replace(
+    BASE, active_params=2.4e9, total_params=15.7e9, gpus=16, regions=2, tokens=1e12
+)
+"""A DeepSeek-V2-Lite-like MoE (15.7B total, 2.4B active) on 2 regions of 8 A100s."""
+
+
+def _sent(row: Any) -> float:
+    return row.tb_per_day * row.days
+
+
+def test_an_moe_is_sized_by_total_parameters_for_bytes_and_active_ones_for_compute() -> None:
+    dense = dataclasses.replace(V2_LITE, total_params=None)  # as if all 2.4B were the model
+    moe, small = estimate(V2_LITE), estimate(dense)
+    for m, d in zip(moe, small, strict=True):
+        assert m.compute_days == pytest.approx(d.compute_days)  # 6 x 2.4B x D either way
+        assert _sent(m) == pytest.approx(_sent(d) * 15.7 / 2.4)
+    steps = 1e12 / 4e6  # allreduce int8: 2 (R - 1) N_total b bytes a step, 15.7B values
+    assert _sent(moe[1]) == pytest.approx(steps * 2 * 15.7e9 * 1 / 1e12)
+
+
+def test_a_preset_moe_plans_its_bytes_with_every_routed_expert() -> None:
+    total, active = parameter_counts(preset("deepseek-base"))
+    assert total == 2_201_490_432 and active < total / 4
+    i = inputs_from_plan(build_plan(load_stack("global")), 0.4)
+    assert (i.total_params, i.active_params) == (total, active)
+    with pytest.raises(PlanInputError, match="at least active_params"):
+        estimate(dataclasses.replace(V2_LITE, total_params=1e9))
+
+
+def _fleet(gbps: float, active: float = 7e9, total: float | None = None) -> Inputs:
+    """2 regions of 8 A100s, 2 x 8 x 4 x 4096 tokens a step, a link of `gbps`."""
+    return dataclasses.replace(
+        BASE,
+        active_params=active,
+        total_params=total,
+        tokens_per_step=2 * 8 * 4 * 4096,
+        gpus=16,
+        regions=2,
+        link_gbps=gbps,
+    )
+
+
+@pytest.mark.parametrize("gbps", [1.0, 10.0])
+@pytest.mark.parametrize(("active", "total"), [(1e9, None), (7e9, None), (2.4e9, 15.7e9)])
+def test_the_recommendation_reaches_the_target_in_the_planners_own_rows(
+    gbps: float, active: float, total: float | None
+) -> None:
+    """The recommended H and tau, put back into the estimate, give its streaming and
+    blocking rows at least the target's utilisation (1 - their sync share); one step less
+    of H would not."""
+    i = _fleet(gbps, active, total)
+    r = recommend(i, 0.9, h_max=10**6)  # no cap: every point can be met
+    assert r.met and 0 <= r.tau < max(r.h, 2)
+    for h, tau, mode in ((r.h, r.tau, 3), (r.blocking_h, 0, 2)):
+        run = dataclasses.replace(
+            i, bits=r.bits, diloco_h=h, stream_tau=tau, tokens=1000 * h * i.tokens_per_step
+        )
+        row = estimate(run)[mode]
+        assert 1 - row.sync_share >= 0.9 - 1e-9, (mode, h, tau)
+        if h > 1:
+            assert utilisation(r.step_s, r.sync_s, h - 1, min(tau, h - 2)) < 0.9
+
+
+def test_a_ten_times_faster_link_gets_a_finer_codec_or_a_smaller_h() -> None:
+    """7B dense: at 1 Gbit/s int8 merges every 68 steps (5 late); at 10 Gbit/s the link
+    carries fp16 every 14 (the codec's CPU, 24 s a merge, is then most of the sync)."""
+    slow, fast = recommend(_fleet(1.0)), recommend(_fleet(10.0))
+    assert (slow.codec, slow.h, slow.tau) == ("int8", 68, 5)
+    assert (fast.codec, fast.h, fast.tau) == ("fp16", 14, 5)
+    assert fast.blocking_h < slow.blocking_h
+    i = _fleet(10.0)
+    assert i.codec_seconds(16) > i.link_seconds(16)  # CPU-bound at 10 Gbit/s
+    for gbps in (0.1, 1.0, 10.0, 100.0):  # monotone: never a coarser codec on a faster link
+        a, b = recommend(_fleet(gbps)), recommend(_fleet(10 * gbps))
+        assert a.bits < b.bits or (a.bits == b.bits and a.h >= b.h)
+
+
+def test_parity_evidence_quotes_committed_rows_and_names_their_files(tmp_path: Any) -> None:
+    lines = parity_evidence(8, 68)  # int8: only single runs at H = 50 are committed
+    assert lines and all(line.split(":")[0].startswith("diloco_parity") for line in lines)
+    for line in lines[:-1] if "rows at that H" in lines[-1] else lines:
+        name, run, gap = (x.strip() for x in line.split(":"))
+        row = next(r for r in (RESULTS / name).read_text().splitlines() if f"| {run} |" in r)
+        assert gap.split()[-1] in row and "H=50 int8" in run
+    assert parity_evidence(16, 14) == []  # fp16: no DiLoCo run committed
+    (tmp_path / "diloco_parity_x.md").write_text(
+        "| run | merges | eval gap |\n|---|---|---|\n| diloco H=20 int4 | 5 | +1.50% |\n"
+    )
+    assert parity_evidence(4, 30, tmp_path) == [
+        "diloco_parity_x.md: diloco H=20 int4: eval gap +1.50%"
+    ]
+    assert parity_evidence(4, 30, tmp_path / "absent") == []  # an installed wheel
+
+
+def test_geotrain_plan_prints_the_recommendation_and_no_invented_parity() -> None:
+    r = CliRunner().invoke(cli, ["plan", "--stack", "global"])
+    assert r.exit_code == 0, r.output
+    assert "N_total = 2.2e+09 parameters (bytes)" in r.output
+    assert "recommendation for utilisation >= 90%" in r.output
+    assert "streaming DiLoCo: H = " in r.output and "blocking DiLoCo: H = " in r.output
+    assert "expected parity cost" in r.output
+    bad = CliRunner().invoke(cli, ["plan", "--stack", "global", "--target", "1"])
+    assert bad.exit_code == 2 and "--target must be in (0, 1)" in bad.output
