@@ -21,7 +21,8 @@ from training.errors import (
 )
 from training.gradsync import merge, region_average_grads, sync_grads, zero_grads
 from training.job import Job, rejected
-from training.models.build import lm_loss
+from training.models.build import lm_loss, precision, to_device
+from training.observe.metrics import peak_memory_bytes
 from training.parallel.fsdp import local
 from training.privacy.dpsgd import (
     Stop,
@@ -109,14 +110,15 @@ def sync_clock(job: Job) -> float:
 def train_step(job: Job) -> None:
     t0 = time.perf_counter()
     sync_before = sync_clock(job)
-    tokens = job.loader.next().to(job.groups.device)
+    tokens = to_device(job.loader.next(), job.groups.device)
     zero_grads(job)
     c0 = time.perf_counter()  # compute: forward, backward, optimizer (utilisation)
     if job.privacy is not None:  # per-record clipped, noised: see training.privacy
         loss = job.privacy.clipped_noisy_grads(job.model, tokens, partial(lm_loss, job.model))
         job.privacy.budget.record()
     else:
-        batch_loss = lm_loss(job.model, tokens)
+        with precision(job.groups.device, job.spec.parallel.autocast):
+            batch_loss = lm_loss(job.model, tokens)
         batch_loss.backward()
         loss = batch_loss.item()
     compute = time.perf_counter() - c0
@@ -201,6 +203,7 @@ def report(
             sync_s=stats[3].item() / L,
             step_s=step_s,
             compute_s=compute_s,
+            peak_mem=peak_memory_bytes(job.groups.device),
             merged=merged,
             saving=job.ckpt.saving(),
             **extra,

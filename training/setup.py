@@ -33,6 +33,7 @@ from training.sync.hier import HierarchicalAllReduce
 from training.sync.topo_exchange import TopologyExchange
 from training.workload import (
     agree_weights,
+    check_autocast,
     check_fsdp,
     data_digests,
     loader_for,
@@ -131,6 +132,7 @@ def setup(
     model, tokenizer = model_for(spec)  # seeded: identical initial weights on every rank
     agree_weights(spec, model, Control(key, session, "weights"))  # loaded weights too
     model = model.to(device)
+    check_autocast(spec)
     fsdp = spec.parallel.shard == "fsdp"
     if fsdp:  # parameters, gradients and AdamW's state split over the region's ranks
         check_fsdp(spec)

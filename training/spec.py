@@ -297,6 +297,7 @@ class DilocoSpec:
 
 Shard = Literal["none", "fsdp"]
 ParamDtype = Literal["fp32", "bf16"]
+Autocast = Literal["none", "bf16"]
 
 
 @dataclass(frozen=True, config=_STRICT)
@@ -309,6 +310,16 @@ class ParallelSpec:
     with fp32 gradient reduction); the sharded master weights stay fp32."""
     activation_checkpointing: bool = False
     """fsdp: recompute each block's activations in backward (hf: models)."""
+    autocast: Autocast = "none"
+    """bf16: the forward pass (and so its backward) under torch.autocast in bfloat16 on
+    the worker's device, the weights and the optimizer staying fp32; none: fp32."""
+
+
+AUTOCAST_WITH_PRIVACY = (
+    "parallel.autocast bf16 cannot be combined with privacy (regions {regions}): DP-SGD's "
+    "per-sample gradients and clipping are computed in fp32; drop autocast or privacy"
+)
+"""The refusal of autocast with DP-SGD; the stack check and the worker share it."""
 
 
 def fsdp_conflict(

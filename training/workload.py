@@ -19,7 +19,7 @@ from training.data.tokenizer import BYTES, TextTokenizer, load_tokenizer, tokeni
 from training.data.tokens import URI_PREFIX, MixtureLoader, TokenLoader, prepared_path
 from training.errors import DataError, SpecError
 from training.models.build import build_model, embedding_rows, params_digest
-from training.spec import LaunchSpec, RegionSpec, fsdp_conflict
+from training.spec import AUTOCAST_WITH_PRIVACY, LaunchSpec, RegionSpec, fsdp_conflict
 
 Loader = ByteLoader | TokenLoader | MixtureLoader
 
@@ -131,6 +131,13 @@ def check_fsdp(spec: LaunchSpec) -> None:
     )
     if conflict:
         raise SpecError(f"launch spec: parallel.shard fsdp {conflict}")
+
+
+def check_autocast(spec: LaunchSpec) -> None:
+    """The stack check's refusal of autocast with DP-SGD, for a spec rendered by hand."""
+    private = [r.name for r in spec.regions if r.privacy is not None]
+    if spec.parallel.autocast != "none" and private:
+        raise SpecError("launch spec: " + AUTOCAST_WITH_PRIVACY.format(regions=", ".join(private)))
 
 
 def data_digests(region: RegionSpec, text: bytes | None) -> dict[str, str]:

@@ -396,6 +396,9 @@ class Parallel(Strict):
     """fsdp: bf16 parameters in forward and backward with fp32 gradient reduction."""
     activation_checkpointing: bool = False
     """fsdp: recompute each block's activations in backward (hf: models)."""
+    autocast: Literal["none", "bf16"] = "none"
+    """bf16: forward and backward under torch.autocast in bfloat16 (weights and optimizer
+    stay fp32), with or without fsdp; what a GPU fleet wants (tensor cores)."""
 
 
 class Checkpoint(Strict):

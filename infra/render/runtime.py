@@ -106,6 +106,7 @@ def render_launch_spec(plan: Plan) -> LaunchSpec:
             shard=t.parallel.shard,
             param_dtype=t.parallel.param_dtype,
             activation_checkpointing=t.parallel.activation_checkpointing,
+            autocast=t.parallel.autocast,
         ),
         key_file=plan.path(t.key_file),
         metrics_port=mon.metrics_port,

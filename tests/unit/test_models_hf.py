@@ -362,3 +362,22 @@ def test_export_copies_the_tokenizer_files(tmp_path: Path) -> None:
     assert (out / "tokenizer.json").is_file() and (out / "tokenizer_config.json").is_file()
     with pytest.raises(SpecError, match="no tokenizer files"):
         export(model, f"hf:{directory}", tmp_path / "out2", tokenizer_dir=tmp_path / "out2x")
+
+
+def test_bf16_autocast_runs_the_forward_in_bf16_and_the_loss_in_fp32() -> None:
+    from training.models.build import lm_loss, precision, to_device
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(50, 16), torch.nn.Linear(16, 50))
+    seen: list[torch.dtype] = []
+    model[1].register_forward_hook(lambda m, i, o: seen.append(o.dtype))
+    tokens = torch.randint(0, 50, (2, 9))
+    assert to_device(tokens, torch.device("cpu")) is tokens  # pinned copies are CUDA's
+    with precision(torch.device("cpu"), "bf16"):
+        loss = lm_loss(model, tokens)
+    loss.backward()
+    assert seen == [torch.bfloat16] and loss.dtype == torch.float32
+    assert model[1].weight.dtype == torch.float32 and model[1].weight.grad is not None
+    with precision(torch.device("cpu"), "none"):
+        lm_loss(model, tokens)
+    assert seen[-1] == torch.float32

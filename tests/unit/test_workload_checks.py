@@ -152,3 +152,17 @@ def test_the_torch_free_reference_grammar_names_the_presets_the_runtime_builds()
 
     assert tuple(deepseek.PRESETS) == refs.PRESET_NAMES
     assert {c.vocab for c in deepseek.PRESETS.values()} == {refs.PRESET_VOCAB}
+
+
+def test_autocast_passes_with_and_without_fsdp_and_is_refused_with_privacy(
+    tmp_path: Path,
+) -> None:
+    assert _validate(tmp_path, parallel={"autocast": "bf16"})[0] == 0
+    assert _validate(tmp_path, parallel={"shard": "fsdp", "autocast": "bf16"})[0] == 0
+    doc = yaml.safe_load((REPO / "stacks" / "Pulumi.local.yaml").read_text())
+    doc["config"]["geotrain:regions"][1]["privacy"] = {"target_epsilon": 8}
+    doc["config"]["geotrain:training"]["parallel"] = {"autocast": "bf16"}
+    path = tmp_path / "Pulumi.dp.yaml"
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    r = CliRunner().invoke(cli, ["validate", "--stack", str(path)])
+    _one_line_error(r.exit_code, r.output, "training.parallel.autocast", "frankfurt", "privacy")

@@ -21,7 +21,7 @@ from training.comm.session import Control, agree, wait_for_all
 from training.comm.topology import Groups, Topology
 from training.ft.quorum import MERGE, STEP, Quorum, region_checkpointer, region_world, validate
 from training.job import Job
-from training.models.build import lm_loss
+from training.models.build import lm_loss, precision, to_device
 from training.observe.metrics import RuntimeMetrics
 from training.setup import RENDEZVOUS_TIMEOUT_S, preflight
 from training.spec import LaunchSpec, metrics_endpoint
@@ -187,10 +187,11 @@ def train_step(job: Job, q: Quorum) -> None:
     if q.healed_phase == MERGE:  # healed into a merge: the donors' step is done
         finish(job, q, float("nan"), t0, before, merge_due=True, compute=0.0)
         return
-    tokens = job.loader.next()
+    tokens = to_device(job.loader.next(), job.groups.device)
     gs.zero_grads(job)
     c0 = time.perf_counter()  # compute: forward, backward, optimizer (utilisation)
-    loss = lm_loss(job.model, tokens)
+    with precision(job.groups.device, job.spec.parallel.autocast):
+        loss = lm_loss(job.model, tokens)
     loss.backward()
     compute = time.perf_counter() - c0
     lp.staged(job)

@@ -8,6 +8,7 @@ every region starts from the same weights with `params_digest`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import inspect
@@ -66,6 +67,26 @@ def lm_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     targets = tokens[:, 1:]
     # fp32 whatever the compute dtype: a bf16 log-softmax over a large vocabulary loses bits
     return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def precision(device: torch.device, autocast: str) -> contextlib.AbstractContextManager[object]:
+    """The context the forward pass runs in: torch.autocast in bfloat16 on `device`
+    (parallel.autocast: bf16; matmuls in bf16, reductions and the loss in fp32, as
+    autocast decides per op) or nothing (fp32). The backward replays the forward's dtypes,
+    so it runs outside."""
+    if autocast == "none":
+        return contextlib.nullcontext()
+    if autocast != "bf16":
+        raise SpecError(f"unknown parallel.autocast '{autocast}'; use none or bf16")
+    return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+
+
+def to_device(tokens: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A batch onto the worker's device: on CUDA through pinned memory, asynchronously
+    (the copy overlaps the host's next work until the forward needs it); on CPU as is."""
+    if device.type != "cuda":
+        return tokens
+    return tokens.pin_memory().to(device, non_blocking=True)
 
 
 def embedding_rows(model: nn.Module) -> int:

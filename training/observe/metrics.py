@@ -17,13 +17,17 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, ProcessCollector
 from prometheus_client.exposition import start_http_server
 
 from training.errors import GeotrainError
 from training.observe import metric_names as mn
+
+if TYPE_CHECKING:
+    import torch
 
 LABELS = ("region", "node", "rank")
 BYTES_PER_VALUE = {"none": 4.0, "fp16": 2.0, "bf16": 2.0, "int8": 1.0, "int4": 0.5, "ternary": 0.25}
@@ -278,3 +282,17 @@ def _safe(read: Callable[[], float]) -> Callable[[], float]:
             return float("nan")
 
     return value
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """This process's peak memory so far: on CUDA the caching allocator's high-water mark
+    of tensors on `device` (what a larger batch or model would run out of first), on CPU
+    the kernel's high-water mark of the whole process (VmHWM)."""
+    if device.type == "cuda":
+        import torch
+
+        return int(torch.cuda.max_memory_allocated(device))
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return 0

@@ -232,6 +232,8 @@ def summarize(log: EventLog, spec_steps: int) -> dict[str, Any]:
         "exchange": start[0].get("exchange", "direct"),
         "exchange_s": sorted(x for e in steps for x in e.get("exchange_s", ())),
         "median_step_s": statistics.median(e["step_s"] for e in steps),
+        # a region leader's peak (CUDA allocator or the process's VmHWM: training.observe)
+        "peak_mem_bytes": max((e.get("peak_mem", 0) for e in steps), default=0),
         "privacy": privacy_summary(log),
         "links": links_summary(log),
     }

@@ -549,14 +549,22 @@ def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:
     return x.view(-1, block)
 
 
+def _host(t: torch.Tensor) -> bytes:
+    """A tensor's bytes in host memory (`cpu()` returns a CPU tensor itself: no copy)."""
+    return t.cpu().numpy().tobytes()
+
+
 def _quantize(x: torch.Tensor, quant: str, block: int) -> tuple[bytes, torch.Tensor]:
-    """Returns (bytes to send, the fp32 values the receiver will reconstruct)."""
+    """Returns (bytes to send, the fp32 values the receiver will reconstruct, on x's
+    device). Any device: a CUDA tensor is quantized where it is, and only the quantized
+    bytes and scales cross to the host (`_host`): a quarter (int8) or an eighth (int4) of
+    the fp32 copy."""
     n = x.numel()
     if quant == "none":
-        return x.numpy().tobytes(), x
+        return _host(x), x
     if quant in ("fp16", "bf16"):
         h = x.to(torch.float16 if quant == "fp16" else torch.bfloat16)
-        return h.view(torch.int16).numpy().tobytes(), h.float()
+        return _host(h.view(torch.int16)), h.float()
     if quant == "ternary":
         return _ternary(x, block)
     levels = 127 if quant == "int8" else 7
@@ -566,13 +574,13 @@ def _quantize(x: torch.Tensor, quant: str, block: int) -> tuple[bytes, torch.Ten
     q = torch.round(b / safe).clamp_(-levels, levels).to(torch.int8)  # (nb, block)
     decoded = (q.float() * scale).view(-1)[:n]
     if quant == "int8":
-        data = q.view(-1).numpy().tobytes()
+        data = _host(q.view(-1))
     else:
         u = (q.view(-1) + 8).to(torch.uint8)  # 1..15
         if u.numel() % 2:
             u = torch.nn.functional.pad(u, (0, 1))
-        data = (u[0::2] | (u[1::2] << 4)).numpy().tobytes()
-    return scale.view(-1).numpy().tobytes() + data, decoded
+        data = _host(u[0::2] | (u[1::2] << 4))
+    return _host(scale.view(-1)) + data, decoded
 
 
 def _ternary(x: torch.Tensor, block: int) -> tuple[bytes, torch.Tensor]:
@@ -586,7 +594,7 @@ def _ternary(x: torch.Tensor, block: int) -> tuple[bytes, torch.Tensor]:
     u = (q + 1).to(torch.uint8).view(-1)  # codes 0, 1, 2
     u = torch.nn.functional.pad(u, (0, (-u.numel()) % 4)).view(-1, 4)
     data = u[:, 0] | (u[:, 1] << 2) | (u[:, 2] << 4) | (u[:, 3] << 6)
-    return scale.view(-1).numpy().tobytes() + data.numpy().tobytes(), decoded
+    return _host(scale.view(-1)) + _host(data), decoded
 
 
 class _UnusedCode(ValueError):

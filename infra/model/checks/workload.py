@@ -110,9 +110,16 @@ def _prepared(directory: str, digest: str | None, source: str, where: str) -> No
 
 def parallel(m: StackModel, source: str) -> None:
     """`parallel.shard: fsdp` against the rest of the stack (training.spec.fsdp_conflict)."""
-    from training.spec import fsdp_conflict
+    from training.spec import AUTOCAST_WITH_PRIVACY, fsdp_conflict
 
     t = m.training
+    private = [r.name for r in m.regions if r.privacy]
+    if t.parallel.autocast != "none" and private:
+        raise err(
+            source,
+            "training.parallel.autocast",
+            AUTOCAST_WITH_PRIVACY.format(regions=", ".join(private)),
+        )
     if t.parallel.shard != "fsdp":
         for key in ("param_dtype", "activation_checkpointing"):
             if key in t.parallel.model_fields_set:
