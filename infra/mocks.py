@@ -41,6 +41,8 @@ CLOUD_IDS = {
     "alicloud:ecs/instance:Instance": "i",
     "alicloud:ecs/ecsDeploymentSet:EcsDeploymentSet": "ds",
     "alicloud:vpc/peerConnection:PeerConnection": "pcc",
+    "aws:ebs/volume:Volume": "vol",
+    "alicloud:ecs/ecsDisk:EcsDisk": "d",
 }
 """Cloud resource types -> the prefix of the ids their provider returns (vpc-0123...)."""
 MOCK_PUBLIC_NETS = {"aws": "203.0.113", "gcp": "198.51.100", "alicloud": "192.0.2"}
@@ -59,6 +61,14 @@ class Registered:
     provider: str | None = None
     secrets: list[str] = field(default_factory=list)
     """Input keys whose values were Pulumi secrets (encrypted in state, hidden in logs)."""
+    ignore_changes: list[str] = field(default_factory=list)
+    """Input paths the engine keeps as the resource was made (ResourceOptions)."""
+    retain_on_delete: bool = False
+    """The engine leaves the cloud resource in place when it deletes it from the stack."""
+    delete_before_replace: bool = False
+    """A replacement deletes the old resource first."""
+    id: str = ""
+    """The id the (mock) provider gave the resource."""
 
 
 @dataclass
@@ -71,6 +81,10 @@ class Recording:
 
 
 class GeotrainMocks(Mocks):
+    """Provider-like answers; `epoch` is the clouds' catalogue as of a later day: from 1
+    on, the image look-ups name newer images and the zone look-ups other zones (what a
+    `pulumi up` a month later may hear)."""
+
     def new_resource(self, args: MockResourceArgs) -> tuple[str | None, dict[str, Any]]:
         state = dict(args.inputs)
         if args.typ in COMMAND_TYPES:
@@ -120,22 +134,26 @@ class GeotrainMocks(Mocks):
             state["selfLink"] = f"https://www.googleapis.com/compute/v1/{rid}"
         return rid or f"{args.name}-id", state
 
-    def __init__(self) -> None:
+    def __init__(self, epoch: int = 0) -> None:
         super().__init__()
         self.regions: dict[str, str] = {}
         """Provider id -> its cloud region, for data sources asked through it."""
+        self.epoch = epoch
 
     def call(self, args: Any) -> tuple[dict[str, Any], list[tuple[str, str]] | None]:
         # the data sources the cloud backends read at deploy time (failures: none; the
         # mock monitor iterates them, so never None)
         region = self.regions.get(str(args.provider).rsplit("::", 1)[-1], "")
         a = args.args
+        later = "" if not self.epoch else f"@{self.epoch}"
         if args.token == "aws:ssm/getParameter:getParameter":
-            ami = "ami-" + hashlib.sha256(f"{region}{a['name']}".encode()).hexdigest()[:17]
+            seed = f"{region}{a['name']}{later}"
+            ami = "ami-" + hashlib.sha256(seed.encode()).hexdigest()[:17]
             return {"id": a["name"], "name": a["name"], "type": "String", "value": ami}, []
         if args.token == "aws:ec2/getInstanceTypeOfferings:getInstanceTypeOfferings":
             types = [v for f in a.get("filters", []) for v in f["values"]]
-            zones = [f"{a.get('region') or region}{z}" for z in "ab"]
+            letters = "ab"[self.epoch % 2 :] + "c"  # later: zone a no longer offers them
+            zones = [f"{a.get('region') or region}{z}" for z in letters]
             pairs = [(z, t) for z in zones for t in types]
             return {
                 "id": region,
@@ -144,10 +162,16 @@ class GeotrainMocks(Mocks):
                 "locationTypes": ["availability-zone"] * len(pairs),
             }, []
         if args.token == "alicloud:index/getZones:getZones":
-            return {"id": region, "ids": [f"{region}-h", f"{region}-i"], "zones": []}, []
+            ids = [f"{region}-{z}" for z in ("hi", "ij")[self.epoch % 2]]
+            return {"id": region, "ids": ids, "zones": []}, []
         if args.token == "alicloud:ecs/getImages:getImages":
-            image = "ubuntu_24_04_x64_20G_alibase_20250101.vhd"
+            image = f"ubuntu_24_04_x64_20G_alibase_2025{1 + self.epoch:02d}01.vhd"
             return {"id": region, "ids": [image], "images": []}, []
+        if args.token == "gcp:compute/getImage:getImage":
+            name = f"{a['family']}-v2025{1 + self.epoch:02d}01"
+            link = f"https://www.googleapis.com/compute/v1/projects/{a.get('project')}"
+            link += f"/global/images/{name}"
+            return {"id": link, "name": name, "family": a["family"], "selfLink": link}, []
         return {}, []
 
 
@@ -172,6 +196,10 @@ class RecordingMonitor(MockMonitor):
                         k for k, v in state.items() if isinstance(v, dict) and SECRET_SIG in v
                     ),
                     provider=request.provider or None,
+                    ignore_changes=list(request.ignoreChanges),
+                    retain_on_delete=bool(request.retainOnDelete),
+                    delete_before_replace=bool(request.deleteBeforeReplace),
+                    id=str(getattr(response, "id", "") or ""),
                 )
             )
         return response
@@ -192,12 +220,13 @@ def unsecret(value: Any) -> Any:
     return value
 
 
-def run_under_mocks(model: StackModel) -> Recording:
-    """Run the program for `model` under mocks and return what it registered."""
+def run_under_mocks(model: StackModel, epoch: int = 0) -> Recording:
+    """Run the program for `model` under mocks and return what it registered; `epoch`:
+    GeotrainMocks'."""
     from infra.program import program
 
     recording = Recording()
-    mocks = GeotrainMocks()
+    mocks = GeotrainMocks(epoch)
     pulumi.runtime.set_all_config(config_of(model))
     pulumi.runtime.set_mocks(
         mocks,

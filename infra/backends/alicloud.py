@@ -6,7 +6,13 @@ type (asked of Alibaba at deploy time unless the stack names one); route entries
 the other regions' subnets to the gateway instance; two security groups, `nodes` (SSH from
 admin_cidrs, the overlay) and `gateway` (WireGuard from the peers, added by overlay()), whose
 outbound default stays open; a low-latency deployment set; an EIP for the gateway (public
-bandwidth is capped per EIP: see README); the instances, pay-as-you-go or spot.
+bandwidth is capped per EIP: see README); the instances, pay-as-you-go or spot, each with
+an ESSD data disk for its checkpoints (found by the guest through its serial, the disk id
+without `d-`).
+
+The zone asked of Alibaba and the image matched by a name pattern are fixed in the
+vSwitch, the disks and the instances when those are made (cloud.pinned): new stock or a
+newer image replaces nothing.
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ import pulumi
 import pulumi_alicloud as alicloud
 
 from infra.backends.base import Parent
-from infra.backends.cloud import Built, CloudBackend, RegionArgs, Rule, base_rules
+from infra.backends.cloud import Built, CloudBackend, RegionArgs, Rule, base_rules, pinned
 from infra.plan import PlanNode
 
 EIP_MBPS = 200
@@ -42,7 +48,8 @@ class AlicloudApi:
             cidr_block=args.region.subnet,
             zone_id=_zone(args, b),
             tags=args.tags,
-            opts=b.opts(),
+            # a zone Alibaba was asked for stays the vSwitch's (moving it replaces every node)
+            opts=b.opts(ignore_changes=pinned(_zone_pin(args))),
         )
         groups = {
             role: alicloud.ecs.SecurityGroup(
@@ -69,7 +76,7 @@ class AlicloudApi:
         )
         image = _image(args, b)
         for node in args.region.nodes:
-            _instance(b, node, vswitch.id, image, placement)
+            _instance(b, node, vswitch, image, placement)
         gw = b.instances[args.region.gateway.name]
         for peer in args.peer_subnets():
             alicloud.vpc.RouteEntry(
@@ -139,6 +146,11 @@ def _ingress(b: Built, rule: Rule) -> list[pulumi.Resource]:
     ]
 
 
+def _zone_pin(args: RegionArgs) -> str | None:
+    """The vSwitch's and disks' zone input when Alibaba picks it, else None (the stack's)."""
+    return None if args.settings.zone else "zoneId"
+
+
 def _zone(args: RegionArgs, b: Built) -> pulumi.Input[str]:
     """The configured zone, else the first zone Alibaba says can host every instance type
     of the region in a vSwitch (asked at deploy time: stock changes)."""
@@ -178,17 +190,29 @@ def _image(args: RegionArgs, b: Built) -> pulumi.Input[str]:
 def _instance(
     b: Built,
     node: PlanNode,
-    vswitch_id: pulumi.Input[str],
+    vswitch: alicloud.vpc.Switch,
     image: pulumi.Input[str],
     placement: alicloud.ecs.EcsDeploymentSet | None,
 ) -> None:
     args, s, gw = b.args, b.args.settings, node.is_gateway
     groups = b.handles["groups"]
+    disk = alicloud.ecs.EcsDisk(
+        f"{args.name}-{node.name}-data",
+        zone_id=vswitch.zone_id,  # the vSwitch's, as made
+        size=s.data_disk_gb,
+        category="cloud_essd",
+        delete_with_instance=False,
+        tags=args.tags,
+        # the checkpoints outlive the instance, and `pulumi destroy` unless
+        # training.checkpoint.keep_on_destroy is false
+        opts=b.opts(retain_on_delete=args.keep_disks, ignore_changes=pinned(_zone_pin(args))),
+    )
+    ref = s.image or args.cloud.image.ref
     inst = alicloud.ecs.Instance(
         f"{args.name}-{node.name}",
         instance_type=args.instance_type(node),
         image_id=image,
-        vswitch_id=vswitch_id,
+        vswitch_id=vswitch.id,
         private_ip=node.private_ip,  # the plan's address
         security_groups=[groups["nodes"].id, *([groups["gateway"].id] if gw else [])],
         system_disk_category="cloud_essd",
@@ -200,12 +224,27 @@ def _instance(
         spot_strategy="SpotAsPriceGo" if s.spot else "NoSpot",
         deployment_set_id=placement.id if placement else None,
         host_name=node.name,
-        user_data=args.user_data,
+        # the guest finds the disk by its serial: the disk id without `d-`
+        user_data=args.user_data(node, disk.id.apply(lambda d: d.removeprefix("d-"))),
         tags=args.tags,
         volume_tags=args.tags,
-        opts=b.opts(),
+        opts=b.opts(
+            # the replacement takes the plan's private IP and the data disk, which the
+            # old instance holds until it is gone
+            delete_before_replace=True,
+            # an image matched by a pattern stays the one the instance was made with
+            ignore_changes=pinned("imageId" if args.image_pinned(ref) else None),
+        ),
     )
     b.instances[node.name] = inst
+    alicloud.ecs.EcsDiskAttachment(
+        f"{args.name}-{node.name}-data-attachment",
+        disk_id=disk.id,
+        instance_id=inst.id,
+        delete_with_instance=False,
+        # a disk attaches to one instance at a time
+        opts=b.opts(delete_before_replace=True),
+    )
     if gw:
         eip = alicloud.ecs.EipAddress(
             f"{args.name}-{node.name}-ip",

@@ -7,7 +7,13 @@ interface (source/destination check off: it forwards them into its tunnels); two
 groups, `nodes` (SSH from admin_cidrs, the overlay) and `gateway` (WireGuard from the
 peers, added by overlay()), with explicit rules and one egress rule (AWS's default egress
 rule is removed when the group is made through the provider); a cluster placement group;
-an elastic IP for the gateway; the instances.
+an elastic IP for the gateway; the instances, each with an EBS data volume for its
+checkpoints (attached as /dev/sdf, found by the guest through the volume id in the NVMe
+serial).
+
+The AMI read from an SSM parameter and the zone read from the instance type offerings are
+fixed in the instances, the subnet and the volumes when those are made (cloud.pinned):
+the next AMI release or another offering replaces nothing.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ import pulumi
 import pulumi_aws as aws
 
 from infra.backends.base import Parent
-from infra.backends.cloud import Built, CloudBackend, RegionArgs, Rule, base_rules
+from infra.backends.cloud import Built, CloudBackend, RegionArgs, Rule, base_rules, pinned
 from infra.plan import PlanNode
 
 EVERYWHERE = "0.0.0.0/0"
@@ -47,7 +53,8 @@ class AwsApi:
             availability_zone=_zone(args, b),
             map_public_ip_on_launch=False,  # only nodes that need one get a public IP
             tags=_tags(args, "subnet"),
-            opts=b.opts(),
+            # a zone AWS was asked for stays the subnet's (moving it replaces every node)
+            opts=b.opts(ignore_changes=pinned(_zone_pin(args))),
         )
         igw = aws.ec2.InternetGateway(
             f"{n}-igw", vpc_id=vpc.id, tags=_tags(args, "igw"), opts=b.opts()
@@ -98,7 +105,7 @@ class AwsApi:
         )
         ami = _ami(args, b)
         for node in args.region.nodes:
-            _instance(b, node, subnet.id, ami, placement, internet)
+            _instance(b, node, subnet, ami, placement, internet)
         gw = b.instances[args.region.gateway.name]
         for peer in args.peer_subnets():
             aws.ec2.Route(
@@ -172,6 +179,11 @@ def _ingress(b: Built, rule: Rule) -> list[pulumi.Resource]:
     ]
 
 
+def _zone_pin(args: RegionArgs) -> str | None:
+    """The subnet's and volumes' zone input when AWS picks it, else None (the stack's)."""
+    return None if args.settings.zone else "availabilityZone"
+
+
 def _zone(args: RegionArgs, b: Built) -> pulumi.Input[str]:
     """The configured zone, else the first zone (sorted) that offers every instance type
     of the region, asked of AWS itself at deploy time (zone names differ per account)."""
@@ -212,13 +224,24 @@ def _ami(args: RegionArgs, b: Built) -> pulumi.Input[str]:
 def _instance(
     b: Built,
     node: PlanNode,
-    subnet_id: pulumi.Input[str],
+    subnet: aws.ec2.Subnet,
     ami: pulumi.Input[str],
     placement: aws.ec2.PlacementGroup | None,
     internet: pulumi.Resource,
 ) -> None:
     args, s, gw = b.args, b.args.settings, node.is_gateway
     groups = b.handles["groups"]
+    disk = aws.ebs.Volume(
+        f"{args.name}-{node.name}-data",
+        availability_zone=subnet.availability_zone,  # the subnet's, as made
+        size=s.data_disk_gb,
+        type="gp3",
+        encrypted=True,
+        tags=_tags(args, f"{node.name}-data"),
+        # the checkpoints outlive the instance, and `pulumi destroy` unless
+        # training.checkpoint.keep_on_destroy is false
+        opts=b.opts(retain_on_delete=args.keep_disks, ignore_changes=pinned(_zone_pin(args))),
+    )
     spot = (
         aws.ec2.InstanceInstanceMarketOptionsArgs(
             market_type="spot",
@@ -235,23 +258,47 @@ def _instance(
         f"{args.name}-{node.name}",
         ami=ami,
         instance_type=args.instance_type(node),
-        subnet_id=subnet_id,
+        subnet_id=subnet.id,
         private_ip=node.private_ip,  # the plan's address: the agent finds it already there
         vpc_security_group_ids=[groups["nodes"].id, *([groups["gateway"].id] if gw else [])],
         associate_public_ip_address=not gw,  # the gateway gets an elastic IP below
         source_dest_check=not gw,  # the gateway forwards other regions' traffic
         placement_group=placement.id if placement else None,
         root_block_device=aws.ec2.InstanceRootBlockDeviceArgs(
-            volume_size=s.disk_gb, volume_type="gp3", encrypted=True, delete_on_termination=True
+            volume_size=s.disk_gb,
+            volume_type="gp3",
+            encrypted=True,
+            delete_on_termination=True,
+            # not volume_tags: AWS documents that they fight the data volume's own tags
+            tags=_tags(args, f"{node.name}-root"),
         ),
         instance_market_options=spot,
         metadata_options=aws.ec2.InstanceMetadataOptionsArgs(http_tokens="required"),
-        user_data=args.user_data,
+        # the guest finds the volume by its NVMe serial: the volume id without the dash
+        user_data=args.user_data(node, disk.id.apply(lambda v: v.replace("-", ""))),
         tags=_tags(args, node.name),
-        volume_tags=_tags(args, f"{node.name}-root"),
-        opts=b.opts(internet),  # cloud-init needs the internet route first
+        opts=b.opts(
+            internet,  # cloud-init needs the internet route first
+            # the replacement takes the plan's private IP and the data volume, which the
+            # old instance holds until it is gone
+            delete_before_replace=True,
+            # an AMI read from SSM stays the one the instance was made with
+            ignore_changes=pinned(
+                "ami" if args.image_pinned(s.image or args.cloud.image.ref) else None
+            ),
+        ),
     )
     b.instances[node.name] = inst
+    aws.ec2.VolumeAttachment(
+        f"{args.name}-{node.name}-data-attachment",
+        device_name="/dev/sdf",
+        volume_id=disk.id,
+        instance_id=inst.id,
+        # detach from a stopped instance: never from under a mounted filesystem
+        stop_instance_before_detaching=True,
+        # a volume attaches to one instance at a time
+        opts=b.opts(delete_before_replace=True),
+    )
     if gw:
         eip = aws.ec2.Eip(
             f"{args.name}-{node.name}-ip",

@@ -13,27 +13,52 @@ the region's cloud region (never the ambient default provider):
 - per node an instance of the type infra.model.clouds maps its GPUs to, at the plan's
   private IP, with a public IP (a static one for the gateway: it is the peers' WireGuard
   endpoint), in a placement group where the cloud has one, spot or on-demand;
-- cloud-init makes the ssh login user and, last, authorizes the operator's public key
-  (derived from the secret geotrain:sshPrivateKey, which never leaves the Pulumi secret).
+- per node a data disk for its checkpoints, a resource of its own attached to the instance
+  and mounted at the checkpoint root: it survives the instance's replacement, and
+  `pulumi destroy` keeps it (retain_on_delete) while training.checkpoint.keep_on_destroy;
+- cloud-init makes the ssh login user, installs the node's SSH host key (made here, from a
+  seed the engine keeps in state), mounts the data disk and, last, authorizes the
+  operator's public key (derived from the secret geotrain:sshPrivateKey, which never
+  leaves the Pulumi secret).
 
-Each node's public IP goes into `ctx.addresses`: the ssh backend connects there and passes
-it to every agent, which fills it into the `<address of NODE>` placeholders the renderers
+Stable across `pulumi up`s: what the backends look up at deploy time (an SSM image
+parameter, a GCP image family, an Alibaba image pattern, the zone that offers the types)
+is fixed in each resource when it is made (`ignore_changes` on exactly those inputs,
+`pinned()`), so a new image release or another zone offering replaces nothing. An image
+or zone the stack sets is obeyed; `cloud.image_upgrade: true` moves to the newest image
+(docs/clouds.md). Instances and attachments are deleted before they are replaced: the
+instance's private IP and its data disk can belong to one instance at a time.
+
+Each node's public IP goes into `ctx.addresses` and its public host key into
+`ctx.host_keys`: the ssh backend connects there, pins that key, and passes the addresses
+to every agent, which fills them into the `<address of NODE>` placeholders the renderers
 wrote (WireGuard endpoints, firewall peers).
 """
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import json
 import shlex
+import struct
 from dataclasses import dataclass, field
 from typing import Any, Protocol, cast
 
 import pulumi
+import pulumi_random as random
 
 from infra.backends.base import BackendContext, Parent
 from infra.backends.ssh import SshBackend
 from infra.facts import tags as plan_tags
-from infra.model.clouds import CLOUDS, NVIDIA_DRIVER_BRANCH, Cloud
+from infra.model.clouds import (
+    CLOUDS,
+    NVIDIA_DRIVER_BRANCH,
+    Cloud,
+    checkpoint_mount,
+    checkpoint_root_on_host,
+    image_is_lookup,
+)
 from infra.model.pulumi_config import secret
 from infra.model.schema import CloudSettings
 from infra.plan import Plan, PlanNode, PlanRegion
@@ -71,12 +96,36 @@ class RegionArgs:
     """Resource name prefix (the pool component's name)."""
     tags: dict[str, str]
     """Tags (labels) for every taggable resource: the stack's, jurisdiction, stack, region."""
-    user_data: pulumi.Output[str]
-    """cloud-init for every node."""
+    host_keys: dict[str, pulumi.Output[HostKey]] = field(default_factory=dict)
+    """Node -> its SSH host key pair (cloud-init installs it; the ssh backend pins it)."""
 
     @property
     def cloud_region(self) -> str:
         return str(self.settings.region)
+
+    @property
+    def keep_disks(self) -> bool:
+        """`pulumi destroy` leaves the data disks (training.checkpoint.keep_on_destroy)."""
+        return bool(self.plan.training.checkpoint.keep_on_destroy)
+
+    @property
+    def mount(self) -> str:
+        """Where every node mounts its data disk: the checkpoint root on the host."""
+        t = self.plan.training.checkpoint.dir
+        return checkpoint_mount(checkpoint_root_on_host(t, self.plan.stack))
+
+    def user_data(self, node: PlanNode, device: pulumi.Input[str]) -> pulumi.Output[str]:
+        """cloud-init of `node`: its host key and its data disk, found by `device` (a
+        block device serial, or a /dev/disk/by-id path)."""
+        boot = pulumi.Output.all(self.host_keys[node.name], device).apply(
+            lambda v: Boot(v[0], DataDisk(self.mount, v[1]))
+        )
+        return cloud_init(self.region, boot)
+
+    def image_pinned(self, ref: str) -> bool:
+        """True when an image looked up at deploy time stays what each instance was made
+        with (see `pinned`)."""
+        return image_is_lookup(self.cloud.kind, ref) and not self.settings.image_upgrade
 
     def instance_type(self, node: PlanNode) -> str:
         t = self.cloud.instance(node.gpu_type, node.gpus)
@@ -108,12 +157,22 @@ class Built:
     instances: dict[str, pulumi.CustomResource] = field(default_factory=dict)
     public_ips: dict[str, pulumi.Output[str]] = field(default_factory=dict)
 
-    def opts(self, *after: pulumi.Resource) -> pulumi.ResourceOptions:
+    def opts(self, *after: pulumi.Resource, **more: Any) -> pulumi.ResourceOptions:
         # every cloud resource names its region's provider: the ambient default provider
         # (credentials and region from the environment) is never used
         return pulumi.ResourceOptions(
-            parent=self.component, provider=self.provider, depends_on=list(after) or None
+            parent=self.component, provider=self.provider, depends_on=list(after) or None, **more
         )
+
+
+def pinned(*inputs: str | None) -> list[str] | None:
+    """ignore_changes for the inputs (camelCase property paths, as the engine diffs them)
+    that hold a value looked up at deploy time; None entries are inputs the stack set,
+    which are obeyed. The engine keeps such an input as the resource was made with, so a
+    newer answer to the look-up (a new image release, another zone offering) never
+    replaces the resource; the resource's other inputs stay live."""
+    paths = [p for p in inputs if p]
+    return paths or None
 
 
 class CloudApi(Protocol):
@@ -151,10 +210,14 @@ class CloudBackend:
         self, ctx: BackendContext, region: PlanRegion, parent: Parent
     ) -> list[pulumi.Resource]:
         comp = CloudRegion(f"{parent.name}-cloud", region, parent.opts())
-        args = region_args(ctx.plan, region, parent.name)
+        args = region_args(ctx.plan, region, parent.name, comp)
         built = self.api.build(args, comp)
         _built(ctx)[region.name] = built
         ctx.addresses.update(built.public_ips)
+        # the ssh backend pins these in every connection (ConnectionArgs.host_key): the run
+        # key on the agent's stdin goes only to the host that holds the private half
+        for n in region.nodes:
+            ctx.host_keys[n.name] = args.host_keys[n.name].apply(lambda k: k.public)
         comp.register_outputs(
             {
                 "public_ips": pulumi.Output.all(**built.public_ips),
@@ -221,7 +284,9 @@ def _built(ctx: BackendContext) -> dict[str, Built]:
     return cast(dict[str, Built], ctx.__dict__.setdefault("_cloud_regions", {}))
 
 
-def region_args(plan: Plan, region: PlanRegion, name: str) -> RegionArgs:
+def region_args(
+    plan: Plan, region: PlanRegion, name: str, component: pulumi.Resource
+) -> RegionArgs:
     s = region.pool.cloud
     t = dict(plan_tags(plan, region.jurisdiction))
     t.update({"geotrain-stack": plan.stack, "geotrain-region": region.name})
@@ -232,8 +297,84 @@ def region_args(plan: Plan, region: PlanRegion, name: str) -> RegionArgs:
         cloud=CLOUDS[region.kind],
         name=name,
         tags=t,
-        user_data=cloud_init(region),
+        host_keys={n.name: host_key(f"{name}-{n.name}", component) for n in region.nodes},
     )
+
+
+@dataclass(frozen=True)
+class HostKey:
+    """An ed25519 SSH host key pair."""
+
+    private: str
+    """OpenSSH private key file (a secret: only cloud-init sees it)."""
+    public: str
+    """`ssh-ed25519 BASE64`, as pulumi-command's host_key and known_hosts take it."""
+
+
+def host_key(name: str, component: pulumi.Resource) -> pulumi.Output[HostKey]:
+    """A node's host key, from 32 random bytes the engine makes once and keeps (a secret in
+    state): the same key on every `up` and on a replaced instance, so the pin holds."""
+    seed = random.RandomBytes(
+        f"{name}-host-key",
+        length=32,
+        # random's own provider: never the region's cloud provider
+        opts=pulumi.ResourceOptions(parent=component),
+    )
+    pair = seed.hex.apply(lambda h: host_key_from_seed(bytes.fromhex(h)))
+    return cast(pulumi.Output[HostKey], pulumi.Output.secret(pair))  # random marks hex secret too
+
+
+def host_key_from_seed(seed: bytes) -> HostKey:
+    """The ed25519 key pair of a 32-byte seed, the private key in OpenSSH's file format.
+    Written here rather than by `cryptography`, whose OpenSSH encoder draws random check
+    bytes: the same seed must give the same file, or the user data (and with it the
+    instance) would change on every `up`."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ed25519
+
+    raw = serialization.Encoding.Raw
+    pub = (
+        ed25519.Ed25519PrivateKey.from_private_bytes(seed)
+        .public_key()
+        .public_bytes(raw, serialization.PublicFormat.Raw)
+    )
+
+    def s(b: bytes) -> bytes:  # an SSH string: uint32 length, then the bytes
+        return struct.pack(">I", len(b)) + b
+
+    kind = b"ssh-ed25519"
+    blob = s(kind) + s(pub)
+    check = hashlib.sha256(b"geotrain host key check" + seed).digest()[:4]
+    body = check + check + s(kind) + s(pub) + s(seed + pub) + s(b"geotrain")
+    body += bytes(range(1, 1 + (-len(body)) % 8))  # padding 1, 2, 3, ... to 8 bytes
+    data = b"openssh-key-v1\0" + s(b"none") + s(b"none") + s(b"") + struct.pack(">I", 1)
+    data += s(blob) + s(body)
+    text = base64.b64encode(data).decode()
+    lines = [text[i : i + 70] for i in range(0, len(text), 70)]
+    private = "\n".join(
+        ["-----BEGIN OPENSSH PRIVATE KEY-----", *lines, "-----END OPENSSH PRIVATE KEY-----", ""]
+    )
+    return HostKey(private, f"ssh-ed25519 {base64.b64encode(blob).decode()}")
+
+
+@dataclass(frozen=True)
+class DataDisk:
+    """A node's checkpoint disk as cloud-init finds and mounts it."""
+
+    mount: str
+    """Absolute mount point: the checkpoint root."""
+    device: str
+    """A /dev/disk/by-id/ path (GCP: the attached disk's device name), else the block
+    device's serial number (AWS: the volume id without its dash; Alibaba: the disk id
+    without `d-`, which the guest may cut to 20 characters)."""
+
+
+@dataclass(frozen=True)
+class Boot:
+    """What one node's cloud-init sets up besides the login user."""
+
+    host_key: HostKey
+    disk: DataDisk
 
 
 def base_rules(args: RegionArgs) -> list[Rule]:
@@ -262,12 +403,15 @@ def wireguard_rules(ctx: BackendContext, region: PlanRegion) -> list[Rule]:
     return out
 
 
-def cloud_init(region: PlanRegion) -> pulumi.Output[str]:
+def cloud_init(region: PlanRegion, boot: pulumi.Output[Boot] | None = None) -> pulumi.Output[str]:
     """cloud-init user data: the ssh login user with passwordless sudo (the agent runs
-    `sudo -n`) and, as cloud-init's last step, the operator's public key: until then the
-    ssh backend's connections fail and are retried, so the agent never starts on a host
-    that is still being set up. On Alibaba's plain Ubuntu image it first installs the
-    NVIDIA server driver and the fabric manager (8-GPU HGX boards need it) from Ubuntu."""
+    `sudo -n`); with `boot`, the node's SSH host key (the only one sshd offers) and its
+    data disk mounted at the checkpoint root; and, as cloud-init's last step, the
+    operator's public key: until then the ssh backend's connections fail and are retried,
+    so the agent never starts on a host that is still being set up, or whose disk or host
+    key did not come up (the steps after the driver run under `set -e`). On Alibaba's
+    plain Ubuntu image it first installs the NVIDIA server driver and the fabric manager
+    (8-GPU HGX boards need it) from Ubuntu."""
     ssh = region.pool.ssh
     key = secret(ssh.private_key_config)
     home = "/root" if ssh.user == "root" else f"/home/{ssh.user}"
@@ -288,7 +432,20 @@ def cloud_init(region: PlanRegion) -> pulumi.Output[str]:
             "systemctl enable --now nvidia-fabricmanager",
         ]
 
-    def render(pub: str | None) -> str:
+    def render(pub: str | None, node: Boot | None) -> str:
+        body = dict(cfg)
+        steps: list[str] = []
+        if node is not None:
+            k = node.host_key
+            # cloud-init's ssh module installs the key before sshd first starts, and makes
+            # no other; runcmd installs it again, late, should anything (GCP's guest
+            # agent) have made new host keys on first boot
+            body.update(
+                ssh_deletekeys=True,
+                ssh_genkeytypes=[],
+                ssh_keys={"ed25519_private": k.private, "ed25519_public": k.public},
+            )
+            steps = ["set -e", *host_key_script(k), *mount_script(node.disk)]
         last = (
             [
                 f"install -d -m 0700 -o {user} -g {user} {home}/.ssh",
@@ -299,12 +456,75 @@ def cloud_init(region: PlanRegion) -> pulumi.Output[str]:
             if pub
             else []
         )
-        body = {**cfg, "runcmd": first + last} if first or last else cfg
+        runcmd = first + steps + last
+        if runcmd:
+            body["runcmd"] = runcmd
         return "#cloud-config\n" + json.dumps(body, indent=1) + "\n"
 
+    if boot is None:
+        if key is None:
+            return pulumi.Output.from_input(render(None, None))  # targets.py warns: set it
+        return key.apply(lambda k: render(public_key(k), None))
     if key is None:
-        return pulumi.Output.from_input(render(None))  # targets.py warns: set the key
-    return key.apply(lambda k: render(public_key(k)))
+        return boot.apply(lambda b: render(None, b))
+    return pulumi.Output.all(key, boot).apply(lambda v: render(public_key(v[0]), v[1]))
+
+
+SSH_DIR = "/etc/ssh"
+
+
+def host_key_script(k: HostKey) -> list[str]:
+    """Shell lines that make `k` sshd's only host key and have a running sshd reload it."""
+    priv, pub = f"{SSH_DIR}/ssh_host_ed25519_key", f"{SSH_DIR}/ssh_host_ed25519_key.pub"
+    others = " ".join(
+        f"{SSH_DIR}/ssh_host_{t}_key {SSH_DIR}/ssh_host_{t}_key.pub"
+        for t in ("rsa", "ecdsa", "dsa")
+    )
+    return [
+        f"(umask 077 && printf '%s\\n' {shlex.quote(k.private.strip())} > {priv})",
+        f"printf '%s\\n' {shlex.quote(k.public)} > {pub}",
+        f"rm -f {others}",
+        # Ubuntu 24.04 starts sshd per connection (ssh.socket): the next one reads the key;
+        # a running sshd reloads; try-: never starts one beside the socket
+        'for u in ssh sshd; do systemctl try-reload-or-restart "$u.service" 2>/dev/null'
+        " || true; done",
+    ]
+
+
+DATA_LABEL = "geotrain-data"
+"""Filesystem label of a data disk geotrain formatted."""
+DISK_WAIT = (180, 5)
+"""Tries and seconds between them while cloud-init waits for the data disk (15 minutes):
+on AWS and Alibaba the attachment is made only once the instance runs."""
+
+
+def mount_script(d: DataDisk) -> list[str]:
+    """Shell lines that wait for the data disk, format it only when it holds no filesystem
+    or partition table at all (a disk kept from a replaced instance keeps its checkpoints),
+    and mount it at `d.mount` now and at every boot (fstab by UUID, nofail: a missing disk
+    never stops the boot; the agent's checks then see an empty checkpoint root)."""
+    if d.device.startswith("/dev/"):
+        find = f"if [ -b {shlex.quote(d.device)} ]; then echo {shlex.quote(d.device)}; fi"
+    else:
+        # the device whose serial is a prefix of the expected one (guests may truncate it)
+        find = (
+            "lsblk -dnpo NAME,SERIAL | awk -v s="
+            f"{shlex.quote(d.device)}"
+            " 'length($2) >= 8 && index(s, $2) == 1 {print $1; exit}'"
+        )
+    tries, pause = DISK_WAIT
+    m = shlex.quote(d.mount)
+    return [
+        f'dev=""; i=0; while [ -z "$dev" ] && [ $i -lt {tries} ]; do '
+        f'dev=$({find} || true); [ -n "$dev" ] || sleep {pause}; i=$((i+1)); done',
+        f'[ -n "$dev" ] || {{ echo "geotrain: data disk {d.device} not attached" >&2; exit 1; }}',
+        f'blkid -p "$dev" >/dev/null 2>&1 || mkfs.ext4 -q -L {DATA_LABEL} "$dev"',
+        'uuid=$(blkid -s UUID -o value "$dev")',
+        f"mkdir -p {m}",
+        f'grep -q "^UUID=$uuid " /etc/fstab'
+        f' || echo "UUID=$uuid {m} ext4 defaults,nofail 0 2" >> /etc/fstab',
+        f"mountpoint -q {m} || mount {m}",
+    ]
 
 
 def public_key(private_pem: str) -> str:

@@ -58,6 +58,9 @@ class InstanceType:
     """GPUs per instance."""
     offers: dict[str, Offer]
     """Cloud region -> offer; a region not listed does not offer the type."""
+    nic_type: str | None = None
+    """The NIC the type requires (GCP: GVNIC for A3, whose 8 GPUs' network needs Google's
+    virtual NIC; the image must support it), else None: the cloud's default NIC."""
 
 
 @dataclass(frozen=True)
@@ -181,6 +184,7 @@ AWS = Cloud(
         "aws:vpc/securityGroupEgressRule:SecurityGroupEgressRule": "tags",
         "aws:ec2/eip:Eip": "tags",
         "aws:ec2/instance:Instance": "tags",
+        "aws:ebs/volume:Volume": "tags",
         "aws:ec2/placementGroup:PlacementGroup": "tags",
         "aws:ec2/vpcPeeringConnection:VpcPeeringConnection": "tags",
         "aws:ec2/vpcPeeringConnectionAccepter:VpcPeeringConnectionAccepter": "tags",
@@ -241,7 +245,8 @@ GCP = Cloud(
             "a3-highgpu-8g",
             "H100-80GB",
             8,
-            {
+            nic_type="GVNIC",  # A3 machines start only with gVNIC (no VirtIO-Net)
+            offers={
                 "us-central1": Offer(88.25, ("us-central1-a", "us-central1-b", "us-central1-c")),
                 "us-east4": Offer(88.25, ("us-east4-a", "us-east4-b", "us-east4-c")),
                 "us-west1": Offer(88.25, ("us-west1-a", "us-west1-b")),
@@ -275,6 +280,7 @@ GCP = Cloud(
     taggable={
         "gcp:compute/address:Address": "labels",
         "gcp:compute/instance:Instance": "labels",
+        "gcp:compute/disk:Disk": "labels",
     },
 )
 
@@ -320,6 +326,7 @@ ALICLOUD = Cloud(
         "alicloud:ecs/securityGroup:SecurityGroup": "tags",
         "alicloud:ecs/eipAddress:EipAddress": "tags",
         "alicloud:ecs/instance:Instance": "tags",
+        "alicloud:ecs/ecsDisk:EcsDisk": "tags",
         "alicloud:vpc/peerConnection:PeerConnection": "tags",
     },
 )
@@ -328,6 +335,44 @@ CLOUDS: dict[str, Cloud] = {c.kind: c for c in (AWS, ALICLOUD, GCP)}
 
 NVIDIA_DRIVER_BRANCH = "570"
 """Driver branch cloud-init installs where the image has none (Alibaba's system image)."""
+
+
+HOST_WORK_DIR = "/var/lib/geotrain"
+"""The workers' working directory on hosts, where relative checkpoint dirs resolve (the same
+as infra.render.runtime.REMOTE_STATE_DIR, which the model may not import; a test keeps
+them equal). A data disk is never mounted on it or above it: the agent's state and run
+files there belong to the instance, not to the disk that outlives it."""
+
+
+def checkpoint_root_on_host(template: str, stack: str) -> str:
+    """training.checkpoint.dir as a host sees it: absolute, {stack} filled in."""
+    path = template if template.startswith("/") else f"{HOST_WORK_DIR}/{template}"
+    return path.replace("{stack}", stack)
+
+
+def checkpoint_mount(root_on_host: str) -> str:
+    """Where a cloud node mounts its data disk: the checkpoint root as the host sees it
+    (absolute, {stack} filled in) up to its first component that holds a placeholder
+    ({node}, {region}), so every node's checkpoints land on its own disk."""
+    parts: list[str] = []
+    for c in root_on_host.split("/")[1:]:
+        if "{" in c:
+            break
+        if c:
+            parts.append(c)
+    return "/" + "/".join(parts)
+
+
+def image_is_lookup(kind: str, ref: str) -> bool:
+    """True when `ref` names a moving target that the backend resolves at deploy time (an
+    AWS SSM parameter, a GCP image family, an Alibaba name pattern), not one fixed image.
+    Such an image is fixed per instance when the instance is made (ignore_changes) and
+    moves only with `cloud.image_upgrade` or an explicit image (docs/clouds.md)."""
+    if kind == "aws":
+        return ref.startswith("ssm:")
+    if kind == "gcp":
+        return "/family/" in ref or ref.startswith("family/")
+    return ref.startswith("^")
 
 
 def instance_type_gpus(type_name: str) -> tuple[str, int] | None:

@@ -200,20 +200,33 @@ class CloudSettings(Strict):
     """The cloud's region for this geotrain region, e.g. us-west-1, europe-west3, cn-beijing
     (required): the region gets its own explicit provider for it, never the ambient one."""
     zone: str | None = None
-    """Zone of every node (default: gcp and alicloud the first zone geotrain's table lists
-    for the instance type; aws one AWS picks, so set an AZ that offers the type)."""
+    """Zone of every node (default: gcp the first zone geotrain's table lists for the type;
+    aws and alicloud the first zone the cloud says offers every type of the region, asked
+    at the first `pulumi up` and kept afterwards: a later answer never moves the network,
+    disks or instances). Setting it is obeyed: a different zone replaces them."""
     project: str | None = None
     """gcp: the project to create everything in (required for gcp; no fall-back to gcloud's
     default project)."""
     image: str | None = None
     """Boot image, CUDA-ready (default: the cloud's in infra.model.clouds). aws: an AMI id or
     ssm:<public parameter>; gcp: an image or image family path; alicloud: an image id or a
-    name pattern (^...) matched against the system images."""
+    name pattern (^...) matched against the system images. A parameter, family or pattern
+    is resolved when an instance is made and that image is kept (a newer release replaces
+    nothing); a fixed id or image is obeyed: changing it replaces the nodes."""
+    image_upgrade: bool = False
+    """Move the nodes to the newest image the parameter, family or pattern names now: the
+    next `pulumi up` replaces every node whose image changed (checkpoints stay on their
+    data disks). Set it back to false afterwards."""
     image_disk_gb: int | None = Field(default=None, ge=1, le=16384)
     """Root disk the image needs, for an image not in geotrain's table (disk_gb is checked
     against it)."""
     disk_gb: int = Field(default=200, ge=1, le=16384)
-    """Root disk of every node in GiB (the runtime venv, checkpoints and data live there)."""
+    """Root disk of every node in GiB (the system, the runtime venv, data)."""
+    data_disk_gb: int = Field(default=500, ge=10, le=16384)
+    """Checkpoint disk of every node in GiB: a separate disk mounted at the checkpoint root
+    (training.checkpoint.dir up to its first placeholder). It outlives the instance: a
+    replaced node gets it back, and `pulumi destroy` keeps it while
+    training.checkpoint.keep_on_destroy is true (the default)."""
     spot: bool = False
     """Spot/preemptible instances instead of on-demand (cheaper; a reclaimed node drops its
     region out of the quorum until it returns)."""

@@ -36,6 +36,7 @@ pytestmark = pytest.mark.filterwarnings(
 )
 STACK = "global-cloud"
 REGIONS = {"beijing": "alicloud", "frankfurt": "gcp", "silicon-valley": "aws"}
+PREFIX = {"beijing": "bj", "frankfurt": "fra", "silicon-valley": "sv"}
 INSTANCE = {
     "alicloud": "alicloud:ecs/instance:Instance",
     "gcp": "gcp:compute/instance:Instance",
@@ -144,7 +145,13 @@ def test_agents_reach_the_public_ips_and_every_agent_gets_every_address(rec: Rec
     assert hosts["fra-1"]["region"] == "frankfurt"
     assert hosts["fra-1"]["private_ip"] == build_plan(load_stack(STACK)).node("fra-1").private_ip
     # one run key for the stack, though three backends deliver
-    assert len(rec.by_type("random:index/randomBytes:RandomBytes")) == 1
+    seeds = rec.by_type("random:index/randomBytes:RandomBytes")
+    assert len([r for r in seeds if r.name.endswith("-run-key")]) == 1
+    # the rest: one host key seed per cloud node
+    assert sorted(r.name for r in seeds if not r.name.endswith("-run-key")) == sorted(
+        f"{region}-pool-{n}-host-key"
+        for region, n in [(r, f"{p}-{i}") for r, p in PREFIX.items() for i in (0, 1)]
+    )
 
 
 def test_firewalls_admit_wireguard_only_from_peer_gateways_and_ssh_only_from_admin(
@@ -199,7 +206,11 @@ def test_placement_images_disks_and_user_data(rec: Recording) -> None:
     assert sv["ami"].startswith("ami-")  # read from the DLAMI's public SSM parameter
     assert sv["rootBlockDevice"]["volumeSize"] == 300 and "instanceMarketOptions" not in sv
     fra = by_name["frankfurt-pool-fra-1"].inputs
-    assert fra["bootDisk"]["initializeParams"]["image"] == CLOUDS["gcp"].image.ref
+    # the family's current image, resolved in the family's project
+    image = fra["bootDisk"]["initializeParams"]["image"]
+    family = CLOUDS["gcp"].image.ref.split("/family/")[1]
+    assert "/projects/ubuntu-os-accelerator-images/global/images/" in image
+    assert image.rsplit("/", 1)[1].startswith(family + "-v")
     assert fra["scheduling"]["onHostMaintenance"] == "TERMINATE"
     assert fra["resourcePolicies"].endswith("frankfurt-pool-placement")
     bj = by_name["beijing-pool-bj-1"].inputs
@@ -404,6 +415,18 @@ BROKEN: dict[str, tuple[Callable[[dict[str, Any]], None], list[str]]] = {
     "aws-image-form": (
         lambda c: _region(c, "silicon-valley")["pool"]["cloud"].update(image="ubuntu-24.04"),
         ["geotrain:regions[2].pool.cloud.image", "'ubuntu-24.04' is neither an AMI id"],
+    ),
+    "checkpoint-disk-over-srv": (
+        lambda c: c["geotrain:training"]["checkpoint"].update(dir="/srv/{node}/checkpoints"),
+        [
+            "geotrain:training.checkpoint.dir",
+            "cloud nodes mount their checkpoint disk at /srv, which is /srv itself",
+            "e.g. /var/lib/geotrain/checkpoints/{node}",
+        ],
+    ),
+    "checkpoint-disk-over-agent-state": (
+        lambda c: c["geotrain:training"]["checkpoint"].update(dir="{node}/ckpt"),
+        ["geotrain:training.checkpoint.dir", "at /var/lib/geotrain, over the agent's own files"],
     ),
     "address-on-a-cloud-node": (
         lambda c: _region(c, "beijing")["pool"]["nodes"][1].update(address="198.51.100.9"),

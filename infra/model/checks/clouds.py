@@ -34,6 +34,30 @@ def check(m: StackModel, source: str) -> None:
             _cloud_node(m, source, i, j)
     if any(r.pool.kind == "gcp" for _, r in regions):
         _gcp_labels(m, source)
+    _data_disk_mount(m, source)
+
+
+def _data_disk_mount(m: StackModel, source: str) -> None:
+    """Cloud nodes mount their checkpoint disk at the checkpoint root up to its first
+    placeholder ({node}, {region}): that must be a directory of its own."""
+    from infra.model.checks.runtime import checkpoint_dir_problem
+    from infra.model.clouds import HOST_WORK_DIR, checkpoint_mount, checkpoint_root_on_host
+
+    d = m.training.checkpoint.dir
+    mount = checkpoint_mount(checkpoint_root_on_host(d, m.stack))
+    if mount == HOST_WORK_DIR or HOST_WORK_DIR.startswith(mount + "/"):
+        why = "over the agent's own files"
+    else:
+        problem = checkpoint_dir_problem(mount)
+        if problem is None:
+            return
+        why = f"which {problem}"
+    raise err(
+        source,
+        "training.checkpoint.dir",
+        f"'{d}': cloud nodes mount their checkpoint disk at {mount}, {why}; "
+        "use e.g. /var/lib/geotrain/checkpoints/{node}",
+    )
 
 
 def _cloud_region(m: StackModel, source: str, i: int) -> None:
