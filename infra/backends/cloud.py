@@ -502,7 +502,9 @@ def mount_script(d: DataDisk) -> list[str]:
     """Shell lines that wait for the data disk, format it only when it holds no filesystem
     or partition table at all (a disk kept from a replaced instance keeps its checkpoints),
     and mount it at `d.mount` now and at every boot (fstab by UUID, nofail: a missing disk
-    never stops the boot; the agent's checks then see an empty checkpoint root)."""
+    never stops the boot). A new filesystem loses its empty lost+found (e2fsck makes it
+    again when it needs it): the host agent re-owns a checkpoint root it did not make only
+    while it is empty."""
     if d.device.startswith("/dev/"):
         find = f"if [ -b {shlex.quote(d.device)} ]; then echo {shlex.quote(d.device)}; fi"
     else:
@@ -518,12 +520,15 @@ def mount_script(d: DataDisk) -> list[str]:
         f'dev=""; i=0; while [ -z "$dev" ] && [ $i -lt {tries} ]; do '
         f'dev=$({find} || true); [ -n "$dev" ] || sleep {pause}; i=$((i+1)); done',
         f'[ -n "$dev" ] || {{ echo "geotrain: data disk {d.device} not attached" >&2; exit 1; }}',
-        f'blkid -p "$dev" >/dev/null 2>&1 || mkfs.ext4 -q -L {DATA_LABEL} "$dev"',
+        f'fresh=""; blkid -p "$dev" >/dev/null 2>&1 || {{ mkfs.ext4 -q -L {DATA_LABEL} "$dev"; '
+        "fresh=1; }",
         'uuid=$(blkid -s UUID -o value "$dev")',
         f"mkdir -p {m}",
         f'grep -q "^UUID=$uuid " /etc/fstab'
         f' || echo "UUID=$uuid {m} ext4 defaults,nofail 0 2" >> /etc/fstab',
         f"mountpoint -q {m} || mount {m}",
+        # a new filesystem's only entry: the agent takes over an empty checkpoint root only
+        f'if [ -n "$fresh" ]; then rmdir {m}/lost+found; fi',
     ]
 
 

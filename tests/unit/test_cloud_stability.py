@@ -266,6 +266,7 @@ FAKE_TOOLS = {
     "mountpoint": "exit 1",
     "mount": 'echo "$@" >> "$STATE/mounts"',
     "mkdir": 'echo "$@" >> "$STATE/mkdirs"',
+    "rmdir": 'echo "$@" >> "$STATE/rmdirs"',
     "sleep": "exit 0",
 }
 
@@ -295,13 +296,15 @@ def test_mount_script_formats_a_blank_disk_once_and_mounts_it_by_uuid(tmp_path: 
     assert r["mkfs"] == "-q -L geotrain-data /dev/nvme1n1\n"
     assert r["fstab"] == "UUID=1111-2222 /var/lib/geotrain/checkpoints ext4 defaults,nofail 0 2\n"
     assert r["mounts"] == "/var/lib/geotrain/checkpoints\n"
+    # empty, so the host agent takes the checkpoint root over
+    assert r["rmdirs"] == "/var/lib/geotrain/checkpoints/lost+found\n"
 
 
 def test_mount_script_never_formats_a_kept_disk_and_fails_without_one(tmp_path: Path) -> None:
     kept = tmp_path / "kept"
     kept.mkdir()
     r = _run_mount(kept, "vol0abcdef0123456789", "vol0abcdef0123456789", True)
-    assert r["rc"] == "0" and "mkfs" not in r and r["mounts"], r
+    assert r["rc"] == "0" and "mkfs" not in r and "rmdirs" not in r and r["mounts"], r
     gone = tmp_path / "gone"
     gone.mkdir()
     r = _run_mount(gone, "vol0abcdef0123456789", "vol0ffffffffffffffff", False)
