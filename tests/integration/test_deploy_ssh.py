@@ -14,6 +14,7 @@ import copy
 import json
 import os
 import shutil
+import subprocess
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -22,6 +23,7 @@ from typing import Any
 import pytest
 
 from infra.model import load_stack
+from infra.model.paths import FIREWALL_PATH
 from infra.replay import Deployment, Replay
 from tests.integration import fleet as F
 from training.observe.report import complete_events
@@ -50,6 +52,7 @@ class Life:
     routes: dict[str, str] = field(default_factory=dict)
     first: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     firewall: dict[str, str] = field(default_factory=dict)
+    region_collective: dict[str, str] = field(default_factory=dict)
     verify: list[str] = field(default_factory=list)
     again: Deployment | None = None
     change: Deployment | None = None
@@ -132,6 +135,75 @@ def _route(fl: F.Fleet, gw: str, to: str, wait_s: float = 30) -> str:
         time.sleep(0.2)
 
 
+COLLECTIVE = """
+import datetime, os, sys
+import torch, torch.distributed as dist
+from training.comm import iface
+rank, private, master, ifname = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+chosen = iface.socket_env(private, "fleet")["GLOO_SOCKET_IFNAME"]
+os.environ["GLOO_SOCKET_IFNAME"] = chosen if ifname == "-" else ifname
+wait = datetime.timedelta(seconds=10)
+store = dist.TCPStore(master, 29555, 2, rank == 0, timeout=wait)
+dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=wait)
+t = torch.tensor([rank + 1.0])
+dist.all_reduce(t)
+print(os.environ["GLOO_SOCKET_IFNAME"], t.item())
+"""
+"""Two ranks on beijing's two hosts, a plain gloo group on the interface the CUDA path
+gives NCCL (training/comm/iface.py; gloo advertises that interface's first address the
+way NCCL does), the store on bj-gw's private address (a gateway's is .1)."""
+
+
+def _collective(fl: F.Fleet, ifname: str = "-", wait_s: int = 90) -> str:
+    """'ok <iface>' when both ranks summed 1 + 2 within `wait_s`, else 'failed: <last
+    line of rank 1>'. Each rank runs under `timeout` inside its host: a blocked rank is
+    killed there at `wait_s` (killing nsenter outside would leave it running)."""
+    procs = {
+        rank: subprocess.Popen(
+            [
+                *fl.hosts[node].enter_argv(),
+                "timeout",
+                "-s",
+                "KILL",
+                str(wait_s),
+                "/opt/geotrain/.venv/bin/python",
+                "-c",
+                COLLECTIVE,
+                str(rank),
+                private,
+                "10.42.1.1",
+                ifname,
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank, (node, private) in enumerate((("bj-gw", "10.42.1.1"), ("bj-w1", "10.42.1.11")))
+    }
+    outs = {}
+    for rank, p in procs.items():
+        out, err = p.communicate(timeout=wait_s + 30)
+        outs[rank] = (p.returncode, out.strip(), err.strip().splitlines()[-1:] or ["killed"])
+    if all(rc == 0 and out.endswith(" 3.0") for rc, out, _ in outs.values()):
+        return "ok " + outs[0][1].split()[0]
+    return f"failed: {outs[1][2][0][:200]}"
+
+
+def _region_collective(fl: F.Fleet) -> dict[str, str]:
+    """The collective as deployed, with a wrong interface, and with the firewall's region
+    rule gone (put back from the rendered file afterwards)."""
+    # a collective that works takes seconds; one that cannot is not waited for long
+    out = {"deployed": _collective(fl), "interface lo": _collective(fl, "lo", 20)}
+    for n in ("bj-gw", "bj-w1"):
+        rules = fl.hosts[n].sh("nft -a list chain inet geotrain input")
+        handle = next(ln.rsplit(" ", 1)[1] for ln in rules.splitlines() if "@region" in ln)
+        fl.hosts[n].sh(f"nft delete rule inet geotrain input handle {handle}")
+    out["no region rule"] = _collective(fl, wait_s=20)
+    for n in ("bj-gw", "bj-w1"):
+        fl.hosts[n].sh(f"nft -f {FIREWALL_PATH}")
+    return out
+
+
 def _changed(doc: dict[str, Any], **training: Any) -> dict[str, Any]:
     d = copy.deepcopy(doc)
     for k, v in training.items():
@@ -166,6 +238,8 @@ def life(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Life]:
             "bj-gw->bj-w1 node-exporter": fl.can_connect("gt-fl-bj-gw", "10.42.1.11", 9100),
             "operator->bj-w1 ssh": fl.can_connect(fl.operator, "198.18.1.11", 22),
         }
+        life.region_collective = _region_collective(fl)
+        life.lap("region collective", t0)
         for n in ("bj-gw", "bj-w1"):  # the units the agent installed, as systemd reads them
             r = fl.hosts[n].exec(
                 [
@@ -264,6 +338,17 @@ def test_the_firewall_admits_the_region_and_admins_and_drops_everyone_else(life:
         "bj-gw->bj-w1 node-exporter": "open",
         "operator->bj-w1 ssh": "open",
     }
+
+
+def test_a_region_collective_runs_on_the_interface_nccl_is_given_through_the_firewall(
+    life: Life,
+) -> None:
+    # the two hosts of beijing: the LAN interface (its first address is the LAN one), the
+    # firewall admitting the region's own hosts; a wrong interface or no rule fails
+    rc = life.region_collective
+    assert rc["deployed"] == "ok eth0", rc
+    assert rc["interface lo"].startswith("failed"), rc
+    assert rc["no region rule"].startswith("failed"), rc
 
 
 def test_the_installed_units_pass_systemd_analyze_verify(life: Life) -> None:
