@@ -171,3 +171,19 @@ def test_this_launchs_bad_input_counts_by_log_position_not_by_clock(tmp_path: Pa
     assert end is not None and end.rc == 2 and end.failed == f"{nodes[1].name}/0"
     log.write_text(failed(5.0))  # the log replaced (shorter than the offset): all of it
     assert launch._final(log, nodes, since) is not None
+
+
+def test_cpu_workers_get_the_runtimes_allocator_setting_unless_the_operator_set_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from training.launch.launcher import CPU_MALLOC, worker_env
+
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
+    assert (
+        worker_env(tmp_path, cpu=True)["MALLOC_MMAP_THRESHOLD_"]
+        == "131072"
+        == (CPU_MALLOC["MALLOC_MMAP_THRESHOLD_"])
+    )
+    assert "MALLOC_MMAP_THRESHOLD_" not in worker_env(tmp_path, cpu=False)
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "4194304")
+    assert worker_env(tmp_path, cpu=True)["MALLOC_MMAP_THRESHOLD_"] == "4194304"

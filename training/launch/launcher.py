@@ -246,8 +246,19 @@ def _exit_on_signal(signum: int, _frame: object) -> None:
     raise SystemExit(128 + signum)
 
 
-def worker_env(run_dir: Path) -> dict[str, str]:
+CPU_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(128 * 1024)}
+"""glibc for CPU workers: every allocation of 128 KiB or more is its own mapping, returned
+to the kernel when freed. glibc's default raises that threshold to the size of each large
+block freed (up to 32 MiB), so a training step's transient tensors (FSDP's gathered
+blocks and unsharded gradients, activations) come from the heap afterwards, whose freed
+pieces the process keeps: benchmarks/fsdp_memory.py measures the peak with and without.
+An operator's own MALLOC_MMAP_THRESHOLD_ wins. CUDA workers keep glibc's default (their
+tensors live in the CUDA allocator)."""
+
+
+def worker_env(run_dir: Path, cpu: bool = True) -> dict[str, str]:
     return {
+        **(CPU_MALLOC if cpu else {}),
         **os.environ,
         "OMP_NUM_THREADS": "1",
         "GEOTRAIN_EVENTS": str(run_dir / "events.jsonl"),
@@ -343,7 +354,7 @@ class Supervisor:
     ) -> None:
         log_dir = self.run_dir / "logs"
         log_dir.mkdir(parents=True, exist_ok=True)
-        env = self.env = worker_env(self.run_dir)
+        env = self.env = worker_env(self.run_dir, all(n.device == "cpu" for n in self.nodes))
         events = self.run_dir / "events.jsonl"
         # this launch's events start here: a byte offset, not a wall-clock time, which a
         # clock stepped back (NTP) would make hide this launch's bad-input events
