@@ -223,6 +223,37 @@ def verify(bundle: Path, expect: str | None) -> tuple[dict[str, object], HostSpe
 
 
 # -- 2. packages ---------------------------------------------------------------------------
+RUNTIME_PYTHON = (3, 11)
+"""The runtime's interpreter, at least (pyproject's requires-python)."""
+OLD_PYTHON_PACKAGES = ("python3.11", "python3.11-venv")
+"""What a host whose python3 is older installs for the runtime venv: Ubuntu 22.04's python3
+is 3.10 and its jammy-updates universe ships these. Stage one itself (this module, cuda,
+safefs, hostspec) runs on 3.10: tests/unit/test_agent_python.py runs it there."""
+
+
+def runtime_packages(version: tuple[int, ...] = sys.version_info[:3]) -> tuple[str, ...]:
+    """Packages the runtime venv needs beyond the spec's, on an interpreter `version`."""
+    return () if version[:2] >= RUNTIME_PYTHON else OLD_PYTHON_PACKAGES
+
+
+def venv_python(node: str, version: tuple[int, ...] = sys.version_info[:3]) -> str:
+    """The interpreter the runtime venv is made with: this one when it is new enough, else
+    python3.11 (installed by the packages step: `runtime_packages`)."""
+    if version[:2] >= RUNTIME_PYTHON:
+        return sys.executable
+    found = shutil.which("python3.11")
+    if found is None:
+        have = ".".join(str(v) for v in version[:3])
+        raise AgentError(
+            node,
+            "runtime",
+            f"this host's python3 is {have} and there is no python3.11; geotrain's runtime "
+            "needs Python 3.11 or newer: on Ubuntu 22.04 enable the universe component "
+            "(add-apt-repository universe) and run again, or use Ubuntu 24.04 or Debian 12",
+        )
+    return found
+
+
 def installed(package: str) -> bool:
     r = subprocess.run(
         ["dpkg-query", "-W", "-f=${Status}", package], capture_output=True, text=True
@@ -443,7 +474,8 @@ def ensure_runtime(bundle: Path, manifest: dict[str, object], node: str) -> bool
         return False
     created = False
     if have is None and not (VENV / "bin" / "python").exists():
-        _run(node, "runtime", [sys.executable, "-m", "venv", str(VENV)], "python3-venv")
+        venv = "python3-venv" if venv_python(node) == sys.executable else "python3.11-venv"
+        _run(node, "runtime", [venv_python(node), "-m", "venv", str(VENV)], venv)
         created = True
     elif not os.access(VENV, os.W_OK):
         raise AgentError(
@@ -576,7 +608,7 @@ def cmd_apply(args: argparse.Namespace) -> int:
         refuse_legacy_state(spec.node)
         _state(spec.node)  # a record only root could have written, before anything changes
         extra = ("wireguard-go",) if spec.tunnels and wireguard_userspace() else ()
-        _remember_packages(install_packages(spec, extra))
+        _remember_packages(install_packages(spec, (*extra, *runtime_packages())))
         if ensure_runtime(bundle, manifest, spec.node):
             _remember("created_venv", True)
         keep_agent_copy(bundle, manifest)
