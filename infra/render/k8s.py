@@ -7,9 +7,9 @@ Per region (its own cluster):
   so a changed spec is a new pod template) and the workers: a StatefulSet, or a JobSet
   (jobset.x-k8s.io/v1alpha2). Every pod runs `python -m training.launch.torchrun`, the image's
   CMD, which starts torchrun for the pod's node of the spec;
-- overlay: a WireGuard + FRR gateway (a Deployment on hostNetwork with NET_ADMIN, built
-  from the same renderers as host gateways) and a route DaemonSet that sends the other
-  regions' addresses to the gateway's node;
+- overlay: a WireGuard + FRR gateway (a Deployment on hostNetwork, root with exactly the
+  capabilities FRR and WireGuard need, built from the same renderers as host gateways)
+  and a route DaemonSet that sends the other regions' addresses to the gateway's node;
 - monitoring: a PodMonitor, a PrometheusRule (the stack's alert rules), the Grafana
   dashboard as a sidecar ConfigMap and a ServiceMonitor for the GPU Operator's
   dcgm-exporter, all for kube-prometheus-stack.
@@ -53,6 +53,8 @@ WORKER_COMMAND = ["python", "-m", "training.launch.torchrun", "--spec", SPEC_PAT
 """The worker container's command: the Dockerfile's CMD (target runtime)."""
 GATEWAY_COMMAND = ["/bin/sh", f"{GATEWAY_DIR}/gateway.sh"]
 """The gateway container's command: the Dockerfile's CMD (target gateway)."""
+GATEWAY_READY = "wg show interfaces | grep -q . && vtysh -c 'show bgp summary' >/dev/null"
+"""The gateway's readiness: its tunnels are up and bgpd answers."""
 ROUTES_COMMAND = ["/bin/sh", f"{GATEWAY_DIR}/routes.sh"]
 UID = 10001
 """The runtime image's user (Dockerfile): workers never run as root."""
@@ -69,8 +71,25 @@ DCGM_SELECTOR = {"app": "nvidia-dcgm-exporter"}
 DCGM_PORT_NAME = "gpu-metrics"
 GLOO_PORTS = (1024, 65535)
 """gloo listens on ephemeral ports: a NetworkPolicy can only name the range."""
-OVERLAY_IF = "geotrain0"
-"""The dummy interface that holds the gateway's overlay address on its node."""
+GATEWAY_CAPABILITIES = (
+    "NET_ADMIN",  # links, addresses, routes, iptables, WireGuard; FRR's zebra and bgpd
+    "NET_RAW",  # FRR's zebra, bgpd and bfdd ask for it; iptables-legacy reads its tables
+    "SYS_ADMIN",  # FRR's zebra, bgpd and bfdd ask for it (network namespaces)
+    "NET_BIND_SERVICE",  # bgpd listens on 179 (bgpd and bfdd ask for it)
+    "SETUID",  # FRR's daemons start as root and drop to the frr user
+    "SETGID",  # ... and its groups (watchfrr does too)
+    "DAC_OVERRIDE",  # root writes the configs into frr's own /etc/frr (0750 frr:frr)
+    "CHOWN",  # watchfrr hands its vty socket to frr:frrvty
+    "KILL",  # frrinit.sh stop signals the daemons, which run as frr, on SIGTERM
+)
+"""The gateway container's capabilities, all others dropped. Each one was found by running
+the rendered container without it (tests/integration/test_k8s_gateway.py): FRR's daemons
+ask for their set when they start (lib/privs.c) and exit without it, e.g. zebra's
+NET_ADMIN, NET_RAW, SYS_ADMIN; the runtime's default set lacks SYS_ADMIN."""
+OVERLAY_LABEL = "lo:geotrain"
+"""The label of the gateway's overlay address on its node's loopback: an address on `lo`
+needs no driver (a dummy interface needs CONFIG_DUMMY, which microVM kernels leave out,
+and a container cannot load modules) and is answered on every interface the same way."""
 
 
 def settings(plan: Plan, region: PlanRegion) -> KubernetesSettings:
@@ -528,7 +547,10 @@ def gateway_script(plan: Plan, region: PlanRegion) -> str:
     """Runs on the gateway's node (hostNetwork): the overlay address, the tunnels, SNAT to
     the overlay address (so CNI masquerading cannot leak node addresses and workers see
     other regions as one source), MSS clamping, FRR, and in the first region the
-    rendezvous forwarder. Everything is undone on SIGTERM."""
+    rendezvous forwarder. Everything is undone on SIGTERM and on any failure (a kernel
+    WireGuard link or an iptables rule would outlive the container on the node); FRR daemons
+    that did not start (a missing capability) fail the container instead of leaving it
+    running without BGP."""
     k, me = settings(plan, region), region.router_id
     pod_cidr = str(k.pod_cidr) if k.pod_cidr else region.subnet
     overlay = plan.network.overlay_cidr
@@ -552,19 +574,21 @@ def gateway_script(plan: Plan, region: PlanRegion) -> str:
         "IPT=iptables-nft\nif iptables-legacy-save 2>/dev/null | grep -q KUBE-; then "
         "IPT=iptables-legacy; fi\n"
         "cleanup() {\n"
-        f"  for i in {tunnels}; do wg-quick down /etc/wireguard/$i.conf || true; done\n"
+        # by name, not `wg-quick down`: a new container has no copy of the config, but a
+        # crashed one's kernel link is still on the node
+        f"  for i in {tunnels}; do ip link del $i 2>/dev/null || true; done\n"
         "  /usr/lib/frr/frrinit.sh stop || true\n"
         "  $IPT -t nat -D POSTROUTING -j GEOTRAIN 2>/dev/null || true\n"
         "  $IPT -t nat -F GEOTRAIN 2>/dev/null || true\n"
         "  $IPT -t nat -X GEOTRAIN 2>/dev/null || true\n"
         "  $IPT -t mangle -D FORWARD -o wg-+ -p tcp --tcp-flags SYN,RST SYN "
         "-j TCPMSS --clamp-mss-to-pmtu 2>/dev/null || true\n"
-        f"  ip link del {OVERLAY_IF} 2>/dev/null || true\n"
+        f"  ip addr del {me}/32 dev lo 2>/dev/null || true\n"
         "}\n"
-        "trap 'cleanup; exit 0' TERM INT\n"
+        "trap 'exit 0' TERM INT\n"
+        "trap 'rc=$?; trap - EXIT; cleanup; exit $rc' EXIT\n"
         "cleanup\n"
-        f"ip link add {OVERLAY_IF} type dummy\nip addr add {me}/32 dev {OVERLAY_IF}\n"
-        f"ip link set {OVERLAY_IF} up\n"
+        f"ip addr add {me}/32 dev lo label {OVERLAY_LABEL}\n"
         "mkdir -p /etc/wireguard\n"
         f"for i in {tunnels}; do cp {GATEWAY_DIR}/$i.conf /etc/wireguard/$i.conf; "
         "wg-quick up /etc/wireguard/$i.conf; done\n"
@@ -576,6 +600,9 @@ def gateway_script(plan: Plan, region: PlanRegion) -> str:
         "-j TCPMSS --clamp-mss-to-pmtu\n"
         f"cp {GATEWAY_DIR}/frr.conf {GATEWAY_DIR}/daemons /etc/frr/\n"
         "/usr/lib/frr/frrinit.sh start\n"
+        '/usr/lib/frr/frrinit.sh status || { echo "geotrain gateway of '
+        f"{region.name}: FRR daemons did not start (status above); the container needs "
+        f'capabilities {",".join(GATEWAY_CAPABILITIES)}" >&2; exit 1; }}\n'
         + proxy
         + "while :; do sleep 3600 & wait $! || true; done\n"
     )
@@ -621,9 +648,15 @@ def gateway_docs(
                 "image": k.gateway_image,
                 "imagePullPolicy": "IfNotPresent",
                 "command": GATEWAY_COMMAND,
-                "securityContext": {"capabilities": {"add": ["NET_ADMIN", "NET_RAW"]}},
+                # root (the image has no USER) with exactly these capabilities: a runtime's
+                # default set varies (containerd's vs CRI-O's) and lacks SYS_ADMIN
+                "securityContext": {
+                    "runAsUser": 0,
+                    "runAsGroup": 0,
+                    "capabilities": {"drop": ["ALL"], "add": list(GATEWAY_CAPABILITIES)},
+                },
                 "readinessProbe": {
-                    "exec": {"command": ["/bin/sh", "-c", "wg show interfaces | grep -q ."]},
+                    "exec": {"command": ["/bin/sh", "-c", GATEWAY_READY]},
                     "periodSeconds": 10,
                 },
                 "volumeMounts": [

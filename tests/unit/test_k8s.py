@@ -292,6 +292,44 @@ def test_cross_region_traffic_reaches_workers_only_from_the_gateway_address() ->
     assert not any(d["kind"] == "Deployment" for d in k8s.render_k8s(single, single.regions[0]))
 
 
+def _gateway_container(plan: Plan, i: int) -> dict[str, Any]:
+    deploy = next(d for d in k8s.render_k8s(plan, plan.regions[i]) if d["kind"] == "Deployment")
+    [c] = deploy["spec"]["template"]["spec"]["containers"]
+    return dict(c)
+
+
+def test_gateway_runs_as_root_with_exactly_the_capabilities_frr_and_wireguard_need() -> None:
+    """Not the runtime's default set plus additions: that set varies by runtime and lacks
+    SYS_ADMIN, without which FRR's zebra, bgpd and bfdd exit (issue 36, item 2; the
+    integration test runs the container with exactly this set)."""
+    c = _gateway_container(_plan("k8s"), 0)
+    sc = c["securityContext"]
+    assert sc["capabilities"] == {"drop": ["ALL"], "add": list(k8s.GATEWAY_CAPABILITIES)}
+    assert {"NET_ADMIN", "NET_RAW", "SYS_ADMIN", "NET_BIND_SERVICE"} <= set(
+        k8s.GATEWAY_CAPABILITIES
+    )
+    assert (sc["runAsUser"], sc["runAsGroup"]) == (0, 0) and not sc.get("privileged")
+    # ready once the tunnels are up and bgpd answers (not only the tunnels)
+    assert c["readinessProbe"]["exec"]["command"] == ["/bin/sh", "-c", k8s.GATEWAY_READY]
+    assert "vtysh" in k8s.GATEWAY_READY
+
+
+def test_gateway_script_fails_without_frr_and_undoes_itself_on_any_exit() -> None:
+    plan = _plan("k8s")
+    gw = k8s.gateway_files(plan, plan.regions[0], {})["gateway.sh"]
+    lines = gw.splitlines()
+    # a failed start undoes the tunnels and rules a kernel would keep on the node
+    assert "trap 'rc=$?; trap - EXIT; cleanup; exit $rc' EXIT" in lines
+    assert lines.index("/usr/lib/frr/frrinit.sh start") + 1 == next(
+        i for i, ln in enumerate(lines) if ln.startswith("/usr/lib/frr/frrinit.sh status ||")
+    )
+    # a crashed container's kernel link is removed by name (a new one has no config copy)
+    assert "  for i in wg-frankfurt; do ip link del $i 2>/dev/null || true; done" in lines
+    # the overlay address on lo: no dummy driver needed
+    assert "ip addr add 10.42.1.1/32 dev lo label lo:geotrain" in lines
+    assert "  ip addr del 10.42.1.1/32 dev lo 2>/dev/null || true" in lines
+
+
 # -- monitoring ---------------------------------------------------------------------------
 def test_monitoring_reuses_the_stack_rules_and_dashboard_for_kube_prometheus_stack() -> None:
     plan = _plan("k8s")
@@ -407,6 +445,23 @@ def _broken(write_stack: Any, mutate: Callable[[dict[str, Any]], None]) -> str:
             "outside the pods' volume",
         ),
         (lambda c: _kube(c, 0).update(shm_size="lots"), "shm_size"),
+        (lambda c: _kube(c, 1).update(gateway_node_selector={}), "would run on any node"),
+        (
+            lambda c: c["geotrain:regions"][0]["pool"]["nodes"][0].update(address="169.254.7.7"),
+            "cannot be the WireGuard endpoint",
+        ),
+        (
+            lambda c: c["geotrain:network"].update(wireguard_port=32767),
+            "WireGuard ports 32767-32768 fall in Kubernetes' NodePort range",
+        ),
+        (
+            lambda c: c["geotrain:training"].update(rendezvous_port=10250),
+            "10250 is taken on the gateway's node (the kubelet)",
+        ),
+        (
+            lambda c: c["geotrain:training"].update(rendezvous_port=30001),
+            "30001 is taken on the gateway's node (Kubernetes' NodePort range)",
+        ),
     ],
 )
 def test_broken_kubernetes_settings_are_one_line_exit_2(

@@ -24,6 +24,23 @@ QUALIFIED_NAME = re.compile(
 """A Kubernetes label key, taint key or extended resource name: an optional DNS prefix and
 '/', then a name of at most 63 characters."""
 DNS_SUBDOMAIN = re.compile(r"[a-z0-9](?:[-a-z0-9.]{0,251}[a-z0-9])?")
+NODE_PORTS = range(30000, 32768)
+"""Kubernetes' default NodePort range: kube-proxy redirects a NodePort on every local
+address of every node (the gateway's overlay address included) before any process sees it."""
+NODE_TCP_PORTS = {
+    179: "BGP: FRR's bgpd on the gateway's node",
+    2379: "etcd",
+    2380: "etcd peers",
+    6443: "the API server",
+    10248: "the kubelet's health check",
+    10249: "kube-proxy's metrics",
+    10250: "the kubelet",
+    10255: "the kubelet's read-only port",
+    10256: "kube-proxy's health check",
+    10257: "kube-controller-manager",
+    10259: "kube-scheduler",
+}
+"""TCP ports taken on a node (the gateway runs on hostNetwork)."""
 
 
 def check(m: StackModel, source: str) -> None:
@@ -128,7 +145,6 @@ def _k8s_nodes(m: StackModel, source: str, i: int) -> None:
 
 def _k8s_network(m: StackModel, source: str, i: int) -> None:
     """The gateway announces the pod CIDR; peers send WireGuard to the gateway address."""
-    import ipaddress
 
     r, net = m.regions[i], m.network
     path = f"regions[{i}].pool.kubernetes.pod_cidr"
@@ -161,7 +177,8 @@ def _k8s_network(m: StackModel, source: str, i: int) -> None:
     gw_name = r.pool.gateway or r.pool.nodes[0].name
     j, gw = next((j, n) for j, n in enumerate(r.pool.nodes) if n.name == gw_name)
     addr = gw.address
-    if addr.is_loopback or addr in net.overlay_cidr or addr == ipaddress.IPv4Address("0.0.0.0"):
+    unroutable = addr.is_loopback or addr.is_link_local or addr.is_multicast or addr.is_reserved
+    if unroutable or addr in net.overlay_cidr or addr.is_unspecified:
         raise err(
             source,
             f"regions[{i}].pool.nodes[{j}].address",
@@ -177,6 +194,38 @@ def _k8s_network(m: StackModel, source: str, i: int) -> None:
                 f"{addr} is also region {o.name}'s gateway address; every region's gateway "
                 "needs its own",
             )
+    if not r.pool.kubernetes.gateway_node_selector:
+        raise err(
+            source,
+            f"regions[{i}].pool.kubernetes.gateway_node_selector",
+            f"empty: the gateway would run on any node, but the other regions send WireGuard "
+            f"to {addr}, one node's address; label that node and select it "
+            "(e.g. geotrain.io/gateway: 'true')",
+        )
+    _k8s_gateway_ports(m, source, first=i == 0)
+
+
+def _k8s_gateway_ports(m: StackModel, source: str, first: bool) -> None:
+    """Ports the gateway listens on in its node's network namespace (hostNetwork)."""
+    net = m.network
+    wg = range(net.wireguard_port, net.wireguard_port + len(m.regions))
+    if set(wg) & set(NODE_PORTS):
+        raise err(
+            source,
+            "network.wireguard_port",
+            f"WireGuard ports {wg.start}-{wg.stop - 1} fall in Kubernetes' NodePort range "
+            f"{NODE_PORTS.start}-{NODE_PORTS.stop - 1}: a NodePort Service would take the "
+            "gateway's datagrams; use a port outside it (default 51820)",
+        )
+    port = m.training.rendezvous_port
+    taken = "Kubernetes' NodePort range" if port in NODE_PORTS else NODE_TCP_PORTS.get(port)
+    if first and taken:  # the first region's gateway forwards the rendezvous
+        raise err(
+            source,
+            "training.rendezvous_port",
+            f"{port} is taken on the gateway's node ({taken}): the first region's gateway "
+            "forwards the rendezvous there on hostNetwork; use another port (default 29500)",
+        )
 
 
 def _k8s_paths(m: StackModel, source: str) -> None:
