@@ -12,7 +12,11 @@ semantics of pulumi-command (provider/pkg/provider/remote in pulumi/pulumi-comma
   copy again when the source or path changed);
 - a resource no longer registered: deleted (Command: the stored `delete`, over the stored
   connection; CopyToRemote: nothing, as pulumi-command removes no remote files);
-- deletes run dependents first.
+- deletes run dependents first;
+- a local command's update and delete see the previous stdout and stderr in
+  PULUMI_COMMAND_STDOUT and PULUMI_COMMAND_STDERR (addPreviousOutputInEnv, on by default);
+- a connection's `hostKey` is checked as the provider checks it: that key only, refused
+  in the key exchange before anything is sent; without one, any host key is accepted.
 
 Registrations arrive as the engine would send them: after the resources they depend on
 (data or depends_on) are done, concurrently otherwise. The state (inputs and outputs of
@@ -27,6 +31,7 @@ refresh, parallelism limits, state encryption) is not covered.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import contextlib
 import hashlib
@@ -42,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 import pulumi
-from pulumi.runtime import rpc
+from pulumi.runtime import rpc, settings
 from pulumi.runtime.mocks import MockMonitor, Mocks
 from pulumi.runtime.proto import resource_pb2
 from pulumi.runtime.stack import run_pulumi_func
@@ -115,8 +120,7 @@ class Executor:
                 "-F", "/dev/null",
                 "-i", str(key),
                 "-o", "BatchMode=yes",
-                "-o", "StrictHostKeyChecking=no",
-                "-o", "UserKnownHostsFile=/dev/null",
+                *_host_key_options(conn, Path(tmp) / "known_hosts"),
                 "-o", "LogLevel=ERROR",
                 "-o", "ConnectTimeout=10",
             ]  # fmt: skip
@@ -161,13 +165,51 @@ class Executor:
         if r.returncode != 0:
             raise DeploymentError(f"{conn['host']}: sftp copy of {source} failed: {r.stderr}")
 
-    def local(self, command: str, stdin: str | None) -> tuple[str, str]:
+    def local(
+        self, command: str, stdin: str | None, previous: dict[str, Any] | None = None
+    ) -> tuple[str, str]:
+        """A command on the operator's machine: behind the prefix too, as the operator's
+        network is where it reaches the hosts from (the first-contact key scan).
+        `previous`: the outputs of the prior create/update, for an update or a delete."""
+        env = dict(os.environ)
+        for key, out in (("PULUMI_COMMAND_STDOUT", "stdout"), ("PULUMI_COMMAND_STDERR", "stderr")):
+            if (previous or {}).get(out):  # the provider sets only non-empty ones
+                env[key] = str((previous or {})[out])
         r = subprocess.run(
-            ["/bin/sh", "-c", command], input=stdin or "", capture_output=True, text=True
+            [*self.prefix, "/bin/sh", "-c", command],
+            input=stdin or "",
+            capture_output=True,
+            text=True,
+            timeout=self.timeout,
+            env=env,
         )
         if r.returncode != 0:
             raise DeploymentError(f"local command exited {r.returncode}: {r.stderr.strip()}")
         return r.stdout.removesuffix("\n"), r.stderr.removesuffix("\n")
+
+
+def _host_key_options(conn: dict[str, Any], known_hosts: Path) -> list[str]:
+    """pulumi-command's host key check in OpenSSH terms. With `hostKey`: the key is the
+    only one known for the host (`[host]:port` as OpenSSH files it), anything else is
+    refused during the key exchange, before authentication, and the host key algorithm is
+    the key's own type (the provider's HostKeyAlgorithms). Without: any key is accepted
+    (the provider's InsecureIgnoreHostKey)."""
+    pin = conn.get("hostKey")
+    if not pin:
+        return ["-o", "StrictHostKeyChecking=no", "-o", "UserKnownHostsFile=/dev/null"]
+    fields = str(pin).split()
+    if len(fields) < 2:
+        raise DeploymentError(f"{conn['host']}: failed to parse host key {str(pin)[:40]!r}")
+    port = int(conn.get("port") or 22)
+    name = conn["host"] if port == 22 else f"[{conn['host']}]:{port}"
+    known_hosts.write_text(f"{name} {fields[0]} {fields[1]}\n")
+    return [
+        "-o", "StrictHostKeyChecking=yes",
+        "-o", f"UserKnownHostsFile={known_hosts}",
+        "-o", "GlobalKnownHostsFile=/dev/null",
+        "-o", f"HostKeyAlgorithms={fields[0]}",
+        "-o", "CheckHostIP=no",
+    ]  # fmt: skip
 
 
 def _parents(path: str) -> list[str]:
@@ -206,24 +248,37 @@ class Providers:
                 return self.create(typ, inputs)
             return {}
         if typ.startswith("command:"):
-            return self._run(typ, inputs, inputs.get("update") or inputs.get("create"))
+            cmd = inputs.get("update") or inputs.get("create")
+            return self._run(typ, inputs, cmd, old.outputs)
         return self.create(typ, inputs)
 
     def delete(self, old: Stored) -> None:
         if old.type in ("command:remote:Command", "command:local:Command"):
             cmd = old.inputs.get("delete")
             if cmd:
-                self._exec(old.type, old.inputs, cmd)
+                self._exec(old.type, old.inputs, cmd, old.outputs)
 
-    def _run(self, typ: str, inputs: dict[str, Any], cmd: str | None) -> dict[str, Any]:
+    def _run(
+        self,
+        typ: str,
+        inputs: dict[str, Any],
+        cmd: str | None,
+        previous: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
         if not cmd:
             return {"stdout": "", "stderr": ""}
-        out, err = self._exec(typ, inputs, cmd)
+        out, err = self._exec(typ, inputs, cmd, previous)
         return {"stdout": out, "stderr": err}
 
-    def _exec(self, typ: str, inputs: dict[str, Any], cmd: str) -> tuple[str, str]:
+    def _exec(
+        self,
+        typ: str,
+        inputs: dict[str, Any],
+        cmd: str,
+        previous: dict[str, Any] | None = None,
+    ) -> tuple[str, str]:
         if typ == "command:local:Command":
-            return self.ex.local(cmd, inputs.get("stdin"))
+            return self.ex.local(cmd, inputs.get("stdin"), previous)
         return self.ex.ssh(inputs["connection"], cmd, inputs.get("stdin"))
 
 
@@ -426,6 +481,7 @@ class Replay:
         try:
             _sync_await(run_pulumi_func(body))
         except Exception as e:  # the engine stops at the first failed step and keeps state
+            _settle_outputs(self.executor.timeout)
             self.save({**prior, **monitor.now})
             raise _first_deployment_error(e) from None
         monitor.finish()
@@ -443,6 +499,37 @@ class Replay:
             d.steps.append(Step("delete", s.urn, s.name))
         self.save({})
         return d
+
+
+def _settle_outputs(timeout: float) -> None:
+    """After a failed run: let the rest of its output tasks finish and keep their errors.
+    The SDK's set of pending outputs outlives set_mocks, so the next `up` would otherwise
+    await them and raise this run's failure again; and a failure nobody retrieves is
+    logged by asyncio when it is collected, in the middle of whatever runs then."""
+
+    async def settle() -> None:
+        outputs = settings.SETTINGS.outputs
+        while outputs:
+            pending = list(outputs)
+            outputs.clear()
+            _, stuck = await asyncio.wait(pending, timeout=timeout)
+            for t in stuck:  # a step still running after the deployment failed
+                t.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+
+    _sync_await(settle())
+    asyncio.get_event_loop().set_exception_handler(_quiet_reported_failures)
+
+
+def _quiet_reported_failures(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+    """The SDK also puts a failed step's error into each output future of its resource,
+    which nothing awaits once the run is over; asyncio would log every one when it is
+    collected. The error was raised to the caller already: drop those, log the rest."""
+    if isinstance(context.get("exception"), DeploymentError) and "never retrieved" in str(
+        context.get("message")
+    ):
+        return
+    loop.default_exception_handler(context)
 
 
 def _first_deployment_error(e: BaseException) -> BaseException:

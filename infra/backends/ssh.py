@@ -1,6 +1,10 @@
 """`ssh`: existing hosts, reached over SSH, configured by the host agent.
 
-Per host, two resources (three on a gateway):
+Per host, two resources (three on a gateway, one more for a host whose key is not known):
+- `<node>-hostkey`, only for a host whose SSH host key neither the program (clouds) nor
+  the stack (`pool.ssh.host_keys`, `known_hosts`) gives: a `local.Command` running
+  `ssh-keyscan` once from the operator's machine (trust on first use); its stdout, kept
+  in state, is the pin from then on (triggers: the host's address and port);
 - `<node>-bundle`, a `remote.CopyToRemote` of the node's bundle to
   ~/.geotrain/bundles/<digest> (triggers: the digest; a new bundle is a new copy, and a
   copy's delete removes nothing on the host);
@@ -13,23 +17,30 @@ Per host, two resources (three on a gateway):
   peers' public keys: a Pulumi secret, with logging off. Its trigger is the host's
   identity (address and port): another host is a replacement, applied there before the
   old host is cleaned up.
+
+Every connection carries the host's key (`ConnectionArgs.host_key`, ctx.host_keys):
+pulumi-command checks it in the key exchange, before it authenticates or sends a
+command, its stdin (the run key) or a file.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 from typing import Any
 
 import pulumi
 import pulumi_random as random
-from pulumi_command import remote
+from pulumi_command import local, remote
 
 from infra.backends.base import BackendContext, Parent
 from infra.components.targets import node_target
+from infra.model.hostkeys import KEEP_RECORDED_KEY, pool_host_keys, scan_command
 from infra.plan import PlanNode, PlanRegion
 from infra.render.bundle import REPO_ROOT, render_bundle, runtime_wheel
 from infra.render.host import ROLES
 from infra.render.monitoring import secret_files
+from training.errors import ConfigError
 
 STORE = ".geotrain/bundles"
 """Under the login user's home: CopyToRemote's remote_path (sftp paths are relative to
@@ -38,6 +49,11 @@ AGENT_BIN = "/usr/local/sbin/geotrain-node"
 CLOUD_DIAL_ERROR_LIMIT = 60
 """SSH dial attempts to a host created in this deployment (pulumi-command backs off
 between attempts: about ten minutes in all)."""
+CLOUD_SCAN_ATTEMPTS = 60
+"""ssh-keyscan tries (10 s apart, plus up to 10 s each) for such a host's first-contact key
+scan, which runs while the instance boots."""
+SCAN_ATTEMPTS = 3
+"""ssh-keyscan tries for an existing host listed in the stack."""
 
 
 def bundle_path(digest: str) -> str:
@@ -67,19 +83,65 @@ class SshBackend:
     def connection(self, ctx: BackendContext, node: PlanNode) -> Any:
         key_config = ctx.plan.region(node.region).pool.ssh.private_key_config
         conn = node_target(ctx.plan, node, ctx.secret(key_config)).connection
-        if conn is not None and node.name in ctx.addresses:  # known once deployed (clouds)
+        if conn is None:
+            return None
+        if node.name in ctx.addresses:  # known once deployed (clouds)
             conn.host = ctx.addresses[node.name]
             # a new instance takes minutes to boot and run cloud-init before sshd lets the
             # key in: retry far longer than pulumi-command's default 10 dials
             conn.dial_error_limit = CLOUD_DIAL_ERROR_LIMIT
+        # pool() pinned every node of the region before any connection is made
+        conn.host_key = ctx.host_keys[node.name]
         return conn
+
+    def pin(self, ctx: BackendContext, region: PlanRegion, parent: Parent) -> list[pulumi.Resource]:
+        """Put each node's host key into ctx.host_keys: the program's (clouds), else the
+        stack's, else a first-contact scan (a `<node>-hostkey` resource, returned)."""
+        stack_keys = pool_host_keys(region.pool)  # the stack check has read these already
+        ssh = region.pool.ssh
+        out: list[pulumi.Resource] = []
+        for n in region.nodes:
+            if n.name in ctx.host_keys:
+                continue
+            if n.name in stack_keys:
+                ctx.host_keys[n.name] = stack_keys[n.name]
+                continue
+            if ssh.strict_host_key_checking == "yes":
+                # the stack check refuses this for kind ssh; a cloud host lands here when
+                # its backend made no key for it
+                i = [r.name for r in ctx.plan.regions].index(region.name)
+                raise ConfigError(
+                    f"stacks/Pulumi.{ctx.plan.stack}.yaml",
+                    f"geotrain:regions[{i}].pool.ssh.strict_host_key_checking",
+                    f"yes, but the {region.kind} backend gives no host key for {n.name}; "
+                    "set accept-new to record the key at first contact",
+                )
+            cloud = n.name in ctx.addresses
+            host = pulumi.Output.from_input(ctx.addresses.get(n.name, n.address))
+            attempts = CLOUD_SCAN_ATTEMPTS if cloud else SCAN_ATTEMPTS
+            scan = local.Command(
+                f"{parent.name}-{n.name}-hostkey",
+                create=host.apply(
+                    functools.partial(scan_command, port=ssh.port, attempts=attempts)
+                ),
+                # another host (address or port) is a new first contact; the same host
+                # keeps the key recorded in state, which is what makes it a pin
+                # any other change (a new scan script in a new geotrain) must not scan
+                # again and trust whatever answers then: it prints the recorded key
+                update=KEEP_RECORDED_KEY,
+                triggers=[pulumi.Output.concat(host, ":", str(ssh.port))],
+                opts=parent.opts(),
+            )
+            ctx.host_keys[n.name] = scan.stdout
+            out.append(scan)
+        return out
 
     def pool(
         self, ctx: BackendContext, region: PlanRegion, parent: Parent
     ) -> list[pulumi.Resource]:
         plan = ctx.plan
         wheel = runtime_wheel()
-        out: list[pulumi.Resource] = []
+        out = self.pin(ctx, region, parent)
         for n in region.nodes:
             b = render_bundle(plan, n, self.role, wheel)
             local = b.write(REPO_ROOT / ".geotrain" / plan.stack / "bundles" / b.digest)

@@ -100,11 +100,21 @@ def diff(before: dict[str, str], after: dict[str, str]) -> list[str]:
     return out
 
 
+HOST_KEY = Path("/etc/ssh/ssh_host_ed25519_key.pub")
+"""The hosts' sshd key: their root is an overlay of this machine's, /etc/ssh included."""
+FIRST_CONTACT = ("sv-0",)
+"""Nodes the stack gives no host key: their key is scanned at first contact (from the
+operator's namespace) and pinned from then on; every other node's is pinned from the
+stack."""
+
+
 def stack_doc(name: str, steps: int = 6) -> dict[str, Any]:
     """A 3-region ssh stack: beijing has a gateway and a worker host, the other regions one
     host each (2 CPU workers per region)."""
+    host_key = HOST_KEY.read_text().strip()
 
     def region(i: int, name: str, jur: str, nodes: list[tuple[str, int]]) -> dict[str, Any]:
+        pinned = {n: host_key for n, _ in nodes if n not in FIRST_CONTACT}
         return {
             "name": name,
             "jurisdiction": jur,
@@ -113,7 +123,7 @@ def stack_doc(name: str, steps: int = 6) -> dict[str, Any]:
             "pool": {
                 "kind": "ssh",
                 "gateway": nodes[0][0],
-                "ssh": {"user": "ops", "port": 22},
+                "ssh": {"user": "ops", "port": 22, "host_keys": pinned},
                 "nodes": [
                     {"name": n, "address": f"198.18.{i}.{10 + k}", "gpu_type": "cpu", "gpus": g}
                     for k, (n, g) in enumerate(nodes)

@@ -99,3 +99,21 @@ def test_a_failing_step_stops_the_deployment_with_its_name(replay: Replay, tmp_p
 
     with pytest.raises(DeploymentError, match=r"create of bad .* exited 3: oops"):
         replay.up(load_stack("local"), broken)
+
+
+def test_an_up_after_a_failed_up_reports_its_own_outcome(replay: Replay, tmp_path: Path) -> None:
+    """The SDK keeps a failed run's pending outputs across set_mocks; the replay drops them,
+    or the next `up` would raise the old failure after doing its work."""
+
+    def program(create: str):  # type: ignore[no-untyped-def]
+        def run(model: Any) -> dict[str, Any]:
+            local.Command("a", create=create)
+            return {}
+
+        return run
+
+    model = load_stack("local")
+    with pytest.raises(DeploymentError, match="exited 3"):
+        replay.up(model, program("exit 3"))
+    assert replay.up(model, program(f"echo ok > {tmp_path / 'ok'}")).ops("create") == ["a"]
+    assert (tmp_path / "ok").read_text() == "ok\n"

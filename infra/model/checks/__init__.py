@@ -10,6 +10,7 @@ from __future__ import annotations
 from infra.model.checks import (
     addresses,
     clouds,
+    host_keys,
     kubernetes,
     monitoring,
     network,
@@ -45,5 +46,6 @@ def check_model(m: StackModel, source: str) -> None:
         runtime.check,
         kubernetes.check,
         clouds.check,
+        host_keys.check,
     ):
         check(m, source)
