@@ -24,6 +24,7 @@ import json
 import os
 import pwd
 import re
+import shutil
 import stat
 import subprocess
 import sys
@@ -245,6 +246,20 @@ def run(node: str, step: str, argv: list[str], check: bool = True) -> str:
     return r.stdout
 
 
+def sudo_rights(user: str) -> str | None:
+    """What sudo lets `user` run (the first line of it), or None: no sudo on the host, or
+    nothing allowed. Asked of sudo itself (`sudo -l -U`, as root): group memberships,
+    sudoers.d files and any other source it reads count the same."""
+    if shutil.which("sudo") is None:
+        return None
+    r = subprocess.run(["sudo", "-n", "-l", "-U", user], capture_output=True, text=True)
+    lines = [ln.strip() for ln in r.stdout.splitlines() if ln.strip()]
+    if r.returncode != 0 or not any("may run the following commands" in ln for ln in lines):
+        return None
+    i = next(k for k, ln in enumerate(lines) if "may run the following commands" in ln)
+    return lines[i + 1] if i + 1 < len(lines) else "(some commands)"
+
+
 def systemctl(node: str, *args: str, check: bool = True) -> str:
     """systemctl; a unit that fails to start is reported with its journal's last line."""
     r = subprocess.run(["systemctl", *args], capture_output=True, text=True)
@@ -365,6 +380,17 @@ class Apply:
             )
             self.state.d["user_created"] = user
             self.changed.append(f"user {user}")
+        # the workers run as this user: they would have its sudo (root needs none: the
+        # rendered spec never names it, the agent's own tests do)
+        rights = sudo_rights(user) if pwd.getpwnam(user).pw_uid != 0 else None
+        if rights is not None:
+            raise AgentError(
+                self.node,
+                "users",
+                f"the workers' user {user} may use sudo ({rights}); the workers run as it. "
+                f"Log in as another user (pool.ssh.user) and take {user}'s sudo away "
+                f"(deluser {user} sudo; its file in /etc/sudoers.d)",
+            )
         made = {x["path"] for x in self.state.d["dirs"]}
         for d in self.spec.dirs:
             # the worker's own directories (its checkpoint root) may lie below one it owns:

@@ -8,6 +8,11 @@ from __future__ import annotations
 
 import hashlib
 
+SERVICE_USER = "geotrain"
+"""The system user the workers run as on hosts (no login, no sudo)."""
+DEFAULT_LOGIN_USER = "geotrain-admin"
+"""The pools' default SSH login user (it needs sudo for the agent): never SERVICE_USER,
+whose processes would otherwise inherit the login user's sudo."""
 GATEWAY_HOST_INDEX = 1
 """A gateway's private IP is its region subnet's first host."""
 WORKER_HOST_OFFSET = 10

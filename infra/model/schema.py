@@ -22,7 +22,7 @@ from pydantic import (
 )
 
 from infra.model.fault_tolerance import FaultTolerance
-from infra.model.names import NAME_PATTERN
+from infra.model.names import DEFAULT_LOGIN_USER, NAME_PATTERN
 
 Jurisdiction = Literal["CN", "EU", "US", "UK", "JP", "KR", "SG", "IN", "CA", "AU", "BR", "CH"]
 PoolKind = Literal["local", "lab", "ssh", "kubernetes", "aws", "alicloud", "gcp"]
@@ -96,9 +96,10 @@ class Node(Strict):
 
 
 class SshSettings(Strict):
-    user: str = Field(default="geotrain", pattern=r"^[a-z_][a-z0-9_-]{0,31}$")
-    """Login user on every node of the pool (needs sudo for wireguard/frr); a POSIX user
-    name (lower case, digits, _ and -; at most 32 characters)."""
+    user: str = Field(default=DEFAULT_LOGIN_USER, pattern=r"^[a-z_][a-z0-9_-]{0,31}$")
+    """Login user on every node of the pool (needs sudo for the agent); a POSIX user name
+    (lower case, digits, _ and -; at most 32 characters), not the workers' service user
+    `geotrain` (the workers would have its sudo)."""
     port: int = Field(default=22, ge=1, le=65535)
     """SSH port."""
     private_key_config: str = "geotrain:sshPrivateKey"

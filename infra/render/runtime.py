@@ -3,6 +3,7 @@ manifests: infra/render/k8s.py)."""
 
 from __future__ import annotations
 
+from infra.model.names import SERVICE_USER
 from infra.model.paths import REMOTE_SPEC_PATH
 from infra.plan import Adaptive, Plan, PlanNode, Privacy
 from training.spec import (
@@ -23,8 +24,6 @@ REMOTE_VENV = "/opt/geotrain/.venv"
 REMOTE_STATE_DIR = "/var/lib/geotrain"
 """The workers' working directory on hosts: relative paths of the spec resolve here."""
 REMOTE_RUN_DIR = f"{REMOTE_STATE_DIR}/run"
-SERVICE_USER = "geotrain"
-"""The system user workers run as on hosts."""
 
 
 def render_launch_spec(plan: Plan) -> LaunchSpec:

@@ -3,6 +3,7 @@ runtime venv is made with python3.11, which the packages step installs (issue #3
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -67,3 +68,46 @@ def test_stage_one_runs_on_python_3_10_and_asks_for_python3_11() -> None:
     )
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "(3, 10) ('python3.11', 'python3.11-venv')"
+
+
+SUDO = shutil.which("sudo")
+
+
+@pytest.mark.skipif(SUDO is None or os.geteuid() != 0, reason="needs root and sudo (.ci/run)")
+def test_sudo_rights_are_asked_of_sudo_itself() -> None:
+    from geotrain.agent.apply import sudo_rights
+
+    assert sudo_rights("nobody") is None
+    assert sudo_rights("root") == "(ALL : ALL) ALL"  # Debian's sudoers: root ALL=(ALL:ALL) ALL
+
+
+def test_a_workers_user_with_sudo_stops_the_apply_with_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from geotrain.agent import apply
+
+    fake = tmp_path / "sudo"  # sudo as it answers for a user in group sudo
+    fake.write_text(
+        "#!/bin/sh\necho 'User geotrain may run the following commands on h:'\n"
+        "echo '    (ALL : ALL) ALL'\n"
+    )
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:/usr/bin:/bin")
+    assert apply.sudo_rights("geotrain") == "(ALL : ALL) ALL"
+    fake.write_text("#!/bin/sh\necho 'User geotrain is not allowed to run sudo on h.'\n")
+    assert apply.sudo_rights("geotrain") is None
+
+
+def test_the_login_user_cannot_be_the_workers_user(tmp_path: Path) -> None:
+    import yaml
+    from click.testing import CliRunner
+
+    from geotrain.cli import cli
+
+    doc = yaml.safe_load((REPO / "stacks" / "Pulumi.global.yaml").read_text())
+    doc["config"]["geotrain:regions"][1]["pool"]["ssh"]["user"] = "geotrain"
+    path = tmp_path / "Pulumi.u.yaml"
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    r = CliRunner().invoke(cli, ["validate", "--stack", str(path)])
+    assert r.exit_code == 2 and len(r.output.strip().splitlines()) == 1, r.output
+    assert "regions[1].pool.ssh.user" in r.output and "geotrain-admin" in r.output

@@ -287,8 +287,8 @@ def test_cloud_init_authorizes_the_operators_key_last(monkeypatch: pytest.Monkey
     plan = build_plan(load_stack(STACK))
     text = cloud_init(plan.region("beijing")).value  # type: ignore[attr-defined]
     doc = json.loads(text.removeprefix("#cloud-config\n"))
-    assert doc["users"][1] == {
-        "name": "geotrain",
+    assert doc["users"][1] == {  # the login user, never the workers' service user
+        "name": "geotrain-admin",
         "shell": "/bin/bash",
         "sudo": "ALL=(ALL) NOPASSWD:ALL",
     }

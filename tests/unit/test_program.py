@@ -63,7 +63,7 @@ def test_global_stack_copies_a_bundle_to_every_host_and_runs_the_agent_there() -
         assert len(c.inputs["triggers"]) == 1 and len(c.inputs["triggers"][0]) == 64  # digest
     for a in agents:
         conn = a.inputs["connection"]
-        assert conn["user"] == "geotrain" and conn["port"] == 22, a.urn
+        assert conn["user"] == "ops" and conn["port"] == 22, a.urn
         assert conn["host"].startswith(("192.0.2.", "198.51.100.", "203.0.113.")), a.urn
         # a new bundle is an update (same command, new digest), never create-then-delete
         assert a.inputs["create"] == a.inputs["update"]

@@ -7,6 +7,7 @@ import math
 
 from infra.model.checks.common import LABEL_KEY, LABEL_VALUE, SINGLE_MACHINE_KINDS, err
 from infra.model.gpus import GPU_TYPES
+from infra.model.names import DEFAULT_LOGIN_USER, SERVICE_USER
 from infra.model.schema import StackModel
 
 
@@ -94,6 +95,14 @@ def pools(m: StackModel, source: str) -> None:
     from infra.model.clouds import CLOUD_KINDS
 
     for i, r in enumerate(m.regions):
+        if r.pool.kind in (*CLOUD_KINDS, "ssh") and r.pool.ssh.user == SERVICE_USER:
+            raise err(
+                source,
+                f"regions[{i}].pool.ssh.user",
+                f"{SERVICE_USER} is the workers' service user: logging in as it (with the "
+                "sudo the agent needs) would give the workers sudo; use another login user "
+                f"(default {DEFAULT_LOGIN_USER})",
+            )
         if r.pool.kind in CLOUD_KINDS and r.pool.ssh.port != 22:
             raise err(
                 source,
