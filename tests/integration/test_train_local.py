@@ -23,6 +23,16 @@ def _final(cwd: Path, name: str) -> dict[str, torch.Tensor]:
     return torch.load(cwd / ".geotrain" / name / "final.pt")
 
 
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
+    """The final weights of `small_stack(..., "same")` trained without a fault: the run
+    every fault test below must end bitwise equal to (one run for all: CI time)."""
+    a = tmp_path_factory.mktemp("uninterrupted")
+    ref = geotrain("train", "--stack", str(small_stack(a, "same")), cwd=a)
+    assert ref.returncode == 0, ref.stdout + ref.stderr
+    return _final(a, "same")
+
+
 def test_train_runs_three_regions_and_reports(tmp_path: Path) -> None:
     stack = small_stack(tmp_path, "run")
     r = geotrain("train", "--stack", str(stack), cwd=tmp_path)
@@ -55,13 +65,10 @@ def test_train_runs_three_regions_and_reports(tmp_path: Path) -> None:
     assert "ledger frankfurt entry" in bad.stderr and "Traceback" not in bad.stderr
 
 
-def test_kill_9_resumes_and_ends_bitwise_equal_to_an_uninterrupted_run(tmp_path: Path) -> None:
-    a, b = tmp_path / "a", tmp_path / "b"
-    a.mkdir()
-    b.mkdir()
-    ref = geotrain("train", "--stack", str(small_stack(a, "same")), cwd=a)
-    assert ref.returncode == 0, ref.stdout + ref.stderr
-
+def test_kill_9_resumes_and_ends_bitwise_equal_to_an_uninterrupted_run(
+    tmp_path: Path, uninterrupted: dict[str, torch.Tensor]
+) -> None:
+    b = tmp_path
     proc = start("train", "--stack", str(small_stack(b, "same")), cwd=b)
     kill_at = random.Random(os.getpid()).randint(4, 7)
     run_dir = b / ".geotrain" / "same"
@@ -99,9 +106,9 @@ def test_kill_9_resumes_and_ends_bitwise_equal_to_an_uninterrupted_run(tmp_path:
     assert sorted(e["rank"] for e in again) == list(range(6)), starts
     assert {e["torchrun_restart"] for e in again if e["node"] == killed["node"]} == {1}
     assert f"worker {killed['node']}/" in out and "exited with -9" in out, out
-    ra, rb = _final(a, "same"), _final(b, "same")
-    for k in ra:
-        assert torch.equal(ra[k], rb[k]), k
+    rb = _final(b, "same")
+    for k, v in uninterrupted.items():
+        assert torch.equal(v, rb[k]), k
 
 
 def _rendered_spec(tmp: Path, **changes: object) -> Path:
@@ -238,17 +245,13 @@ def _parent(pid: int) -> int:
 
 
 def test_a_killed_torchrun_agent_is_started_again_and_the_run_ends_bitwise_equal(
-    tmp_path: Path,
+    tmp_path: Path, uninterrupted: dict[str, torch.Tensor]
 ) -> None:
     """kill -9 of a node's torchrun agent (what the OOM killer does) ended the run with
     exit 2 and no final weights; the launcher now starts the agent again like a worker."""
-    a, b = tmp_path / "a", tmp_path / "b"
-    a.mkdir()
-    b.mkdir()
-    ref = geotrain("train", "--stack", str(small_stack(a, "agent")), cwd=a)
-    assert ref.returncode == 0, ref.stdout + ref.stderr
-    proc = start("train", "--stack", str(small_stack(b, "agent")), cwd=b)
-    run_dir = b / ".geotrain" / "agent"
+    b = tmp_path
+    proc = start("train", "--stack", str(small_stack(b, "same")), cwd=b)
+    run_dir = b / ".geotrain" / "same"
     deadline = time.monotonic() + 300
     agent = None
     while agent is None and time.monotonic() < deadline and proc.poll() is None:
@@ -264,6 +267,56 @@ def test_a_killed_torchrun_agent_is_started_again_and_the_run_ends_bitwise_equal
     assert agent is not None, out
     assert proc.returncode == 0, out
     assert "worker fra-0/torchrun exited with -9; restarting from the newest checkpoint" in out
-    ra, rb = _final(a, "agent"), _final(b, "agent")
-    for k in ra:
-        assert torch.equal(ra[k], rb[k]), k
+    rb = _final(b, "same")
+    for k, v in uninterrupted.items():
+        assert torch.equal(v, rb[k]), k
+
+
+def _children(pid: int) -> list[int]:
+    kids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    return [int(k) for k in kids]
+
+
+def test_a_killed_rendezvous_store_is_started_again_and_the_run_ends_bitwise_equal(
+    tmp_path: Path, uninterrupted: dict[str, torch.Tensor]
+) -> None:
+    """kill -9 of the rendezvous store the launcher hosts ended the run with exit 2 (as
+    for a store that could not bind). Its agents lose their connection to it at once
+    (torch's store client does not reconnect); the launcher starts the store again on
+    its address and port and the agents after it, which meet in a fresh rendezvous and
+    resume from the newest checkpoint."""
+    b = tmp_path
+    proc = start("train", "--stack", str(small_stack(b, "same")), cwd=b)
+    run_dir = b / ".geotrain" / "same"
+    deadline = time.monotonic() + 300
+    store = None
+    while store is None and time.monotonic() < deadline and proc.poll() is None:
+        ev = events(run_dir)
+        step = max((e["step"] for e in ev if e["event"] == "step"), default=0)
+        common = set.intersection(*(committed(run_dir / "checkpoints", n) for n in NODES))
+        if step >= 4 and common:
+            hosted = [p for p in _children(proc.pid) if "rdzv_host" in _cmdline(p)]
+            assert len(hosted) == 1, [_cmdline(p) for p in _children(proc.pid)]
+            store = hosted[0]
+            os.kill(store, signal.SIGKILL)
+        time.sleep(0.05)
+    out, _ = proc.communicate(timeout=300)
+    assert store is not None, out
+    assert proc.returncode == 0, out
+    line = "worker bj-0/rendezvous-store exited with -9; restarting from the newest checkpoint"
+    assert out.count(line) == 1 and out.count("restarting") == 1, out  # one line says it
+    log = (run_dir / "logs" / "rendezvous-store-run.log").read_text().splitlines()
+    assert len(log) == 2 and log[0] == log[1], log  # the same address and port again
+    starts = [e for e in events(run_dir) if e["event"] == "start"]
+    assert len(starts) == 12, starts  # every worker started again, once
+    assert [e["step"] for e in events(run_dir) if e["event"] == "resume"] != []
+    rb = _final(b, "same")
+    for k, v in uninterrupted.items():
+        assert torch.equal(v, rb[k]), k
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")
+    except OSError:
+        return ""

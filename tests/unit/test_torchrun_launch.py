@@ -130,7 +130,7 @@ def test_a_rendezvous_store_that_exits_fails_the_launch_at_once_with_its_last_li
     import subprocess
     import sys
 
-    spec = make_spec(2, 1)
+    spec = make_spec(2, 1, max_restarts=0)
     sup = launch.Supervisor(spec, tmp_path / "spec.json", [], tmp_path, launch.LaunchResult())
     log = tmp_path / "rendezvous-store-run.log"
     fail = "print('RuntimeError: Address already in use'); raise SystemExit(1)"
@@ -138,15 +138,70 @@ def test_a_rendezvous_store_that_exits_fails_the_launch_at_once_with_its_last_li
     proc.wait()
     sup.stores.append((sup.jobs[0], log, 0, proc))
     with pytest.raises(SpecError, match=r"rendezvous store of run on .* exited with 1 \(Runt"):
-        sup._check_stores()
+        sup._check_stores(None)
     sleeper = subprocess.Popen(["sleep", "30"])
     sup.stores[0] = (sup.jobs[0], log, 0, sleeper)
-    sup._check_stores()  # serving: nothing to say
+    assert sup._check_stores(None) is None  # serving: nothing to say
     sleeper.kill()
     sleeper.wait()
-    sup.stores[0] = (sup.jobs[0], log, log.stat().st_size, sleeper)  # a launch later
-    with pytest.raises(SpecError, match=r"exited with -9 \(no output"):
-        sup._check_stores()  # not the earlier launch's line
+    end = sup._check_stores(None)  # killed, no restart left: the run ends, not bad input
+    assert end is not None and (end.rc, end.failed) == (-9, "n0/rendezvous-store")
+
+
+def test_a_rendezvous_store_killed_by_a_signal_starts_again_on_its_port_within_max_restarts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import subprocess
+
+    spec = make_spec(2, 1, max_restarts=1)
+    sup = launch.Supervisor(spec, tmp_path / "spec.json", [], tmp_path, launch.LaunchResult())
+    started: list[launch.RdzvJob] = []
+
+    def store(job: launch.RdzvJob) -> list[str]:
+        started.append(job)
+        return ["sleep", "30"]
+
+    monkeypatch.setattr(launch, "store_command", store)
+    log = tmp_path / "rendezvous-store-run.log"
+    log.write_text("rendezvous store on 127.0.0.1:1\n")
+    killed = subprocess.Popen(["sleep", "30"])
+    killed.kill()
+    killed.wait()
+    sup.stores.append((sup.jobs[0], log, 0, killed))
+    said: list[launch.Attempt] = []
+    assert sup._check_stores(said.append) is None  # started again: the run goes on
+    job, _, at, again = sup.stores[0]
+    try:
+        assert started == [sup.jobs[0]] and job == sup.jobs[0] and again.poll() is None
+        assert at == log.stat().st_size  # its own lines from here on
+        assert [(a.rc, a.failed) for a in said] == [(-9, "n0/rendezvous-store")]
+        assert sup.result.attempts == said
+    finally:
+        again.kill()
+        again.wait()
+    end = sup._check_stores(said.append)  # killed once more than max_restarts
+    assert end is not None and end.rc == -9 and len(said) == 1 and len(started) == 1
+
+
+def test_an_agent_counts_as_having_lost_its_store_only_by_its_own_last_line(
+    tmp_path: Path,
+) -> None:
+    """The agents of a store that was started again end on RendezvousConnectionError
+    (exit 1) and are started again; any other exit of an agent is the run's end."""
+    log = tmp_path / "bj-0-torchrun.log"
+    lost = (
+        "torch.distributed.elastic.rendezvous.api.RendezvousConnectionError: The connection"
+        " to the C10d store has failed. See inner exception for details.\n"
+    )
+    log.write_text("Traceback (most recent call last):\n" + lost + "\n")
+    assert launch._lost_store(log, 0)
+    since = log.stat().st_size  # an agent started after it, which failed otherwise
+    with open(log, "a") as f:
+        f.write("ValueError: bad --rdzv-conf\n")
+    assert not launch._lost_store(log, since) and not launch._lost_store(log, 0)
+    log.write_text(lost)
+    assert not launch._lost_store(log, log.stat().st_size)  # nothing of its own yet
+    assert not launch._lost_store(tmp_path / "missing.log", 0)
 
 
 def test_this_launchs_bad_input_counts_by_log_position_not_by_clock(tmp_path: Path) -> None:

@@ -17,6 +17,9 @@ What stays here, because torchrun cannot do it:
   bound to that address only, in the node's namespace) and every agent joins it as a
   client (`is_host=false`). The workers' own
   store of each round is bound the same way (training.launch.torchrun.torchrun_store).
+- **Transient faults of what torchrun does not restart.** A torchrun agent or a store a
+  signal killed (the OOM killer, kill -9) is started again, within max_restarts; agents
+  that lost their store with it are started again too (`Supervisor._respawn_killed`).
 - **Final failures stop at once.** Bad input (exit code 2) and a hostile reject cannot be
   cured by a restart; torchrun would retry them `max_restarts` times. The worker records
   either in the event log before it exits (`failed`, `rejected`), and the launcher stops
@@ -338,11 +341,18 @@ class Supervisor:
     failures: dict[str, int] = field(default_factory=dict)
     """Failed workers each node's agent reported (its restart count, as torchrun keeps it)."""
     respawns: dict[str, int] = field(default_factory=dict)
-    """Torchrun agents started again after a signal killed them (OOM killer, kill -9)."""
+    """Torchrun agents started again after a signal killed them (OOM killer, kill -9) or
+    their rendezvous store was lost."""
+    store_restarts: dict[str, int] = field(default_factory=dict)
+    """Rendezvous stores (by job) started again after a signal killed them."""
     env: dict[str, str] = field(default_factory=dict)
     finished_at: float | None = None
     """fault_tolerance: when the first region here finished the run (monotonic)."""
     jobs: list[RdzvJob] = field(init=False)
+    here: set[str] = field(default_factory=set)
+    """The names of `nodes`."""
+    log_at: dict[str, int] = field(default_factory=dict)
+    """Each node's torchrun log size when its current agent started."""
     stores: list[tuple[RdzvJob, Path, int, subprocess.Popen[bytes]]] = field(default_factory=list)
     """The rendezvous stores this launcher hosts: (job, log, its size before, process)."""
 
@@ -359,7 +369,7 @@ class Supervisor:
         # this launch's events start here: a byte offset, not a wall-clock time, which a
         # clock stepped back (NTP) would make hide this launch's bad-input events
         t0, started = time.monotonic(), events.stat().st_size if events.exists() else 0
-        here = {n.name for n in self.nodes}
+        here = self.here = {n.name for n in self.nodes}
         self.stores.clear()
         try:
             for job in self.jobs:
@@ -370,8 +380,7 @@ class Supervisor:
             for n in self.nodes:
                 if (job := job_of(self.jobs, n.name)).host.name not in here:
                     reach_store(job, n)
-                cmd = torchrun_command(self.spec, self.spec_path, n)
-                self.procs[n.name] = spawn(cmd, env, self._log(n.name))
+                self._spawn_agent(n)
             end = self._watch(on_poll, on_restart, started)
             end.seconds = time.monotonic() - t0
             self.result.attempts.append(end)
@@ -382,6 +391,12 @@ class Supervisor:
     def _log(self, node: str) -> Path:
         return self.run_dir / "logs" / f"{node}-torchrun.log"
 
+    def _spawn_agent(self, node: NodeSpec) -> None:
+        log = self._log(node.name)
+        self.log_at[node.name] = log.stat().st_size if log.exists() else 0
+        cmd = torchrun_command(self.spec, self.spec_path, node)
+        self.procs[node.name] = spawn(cmd, self.env, log)
+
     def _watch(
         self,
         on_poll: Callable[[], None] | None,
@@ -391,7 +406,9 @@ class Supervisor:
         while True:
             if on_poll:
                 on_poll()
-            self._check_stores()
+            lost = self._check_stores(on_restart)
+            if lost is not None:
+                return lost
             new = self._new_failures()
             ended = {k: rc for k, p in self.procs.items() if (rc := p.poll()) is not None}
             # read once a worker is gone: its event precedes its agent's log line, and a
@@ -435,33 +452,56 @@ class Supervisor:
         self, ended: dict[str, int], on_restart: Callable[[Attempt], None] | None
     ) -> list[str]:
         """Start again, within max_restarts per node, every torchrun agent a signal killed
-        (the OOM killer, a kill -9: a transient fault, not the workers' failure). Its
-        workers died with it; the other nodes' agents restart theirs and meet the new
-        agent in the next rendezvous round, and every rank resumes from the newest
-        checkpoint. Returns the nodes started again."""
+        (the OOM killer, a kill -9: a transient fault, not the workers' failure), or that
+        lost its rendezvous store (below). Its workers died with it; the other nodes'
+        agents restart theirs and meet the new agent in the next rendezvous round, and
+        every rank resumes from the newest checkpoint. Returns the nodes started again.
+
+        A store killed and started again (`_check_stores`) has lost the rendezvous' state,
+        and torch's store client does not reconnect: every agent of its job exits within a
+        monitor interval (`num_nodes_waiting` fails: RendezvousConnectionError, exit 1).
+        Started again, they meet in a fresh rendezvous on the new store, its first round,
+        wherever their store runs (this launcher or another host's)."""
         out = []
         for node, rc in ended.items():
-            if rc >= 0 or self.finished_at is not None:
+            if rc == 0 or self.finished_at is not None:
                 continue
-            if self.respawns.get(node, 0) >= self.spec.max_restarts:
+            lost_store = rc > 0 and _lost_store(self._log(node), self.log_at[node])
+            if (rc > 0 and not lost_store) or self.respawns.get(node, 0) >= self.spec.max_restarts:
                 continue
             self.respawns[node] = self.respawns.get(node, 0) + 1
             a = Attempt(rc, f"{node}/torchrun")
             self.result.attempts.append(a)
-            if on_restart:
+            # after a store this launcher started again, that store's line said it
+            if on_restart and not (lost_store and job_of(self.jobs, node).host.name in self.here):
                 on_restart(a)
-            n = next(x for x in self.nodes if x.name == node)
-            cmd = torchrun_command(self.spec, self.spec_path, n)
-            self.procs[node] = spawn(cmd, self.env, self._log(node))
+            self._spawn_agent(next(x for x in self.nodes if x.name == node))
             out.append(node)
         return out
 
-    def _check_stores(self) -> None:
-        """A store serves until it is stopped: one that exited (its port taken, its address
-        not on this host) leaves its torchruns waiting out their rendezvous timeout
-        (600 s) for nothing. Fail at once, with its log's last line."""
-        for job, log, at, proc in self.stores:
+    def _check_stores(self, on_restart: Callable[[Attempt], None] | None) -> Attempt | None:
+        """A store serves until it is stopped. One a signal killed (the OOM killer, a
+        kill -9) is started again on its address and port, within max_restarts per store;
+        its job's agents then start again too (`_respawn_killed`). Returns the end of the
+        run when one was killed once more than that. One that exited by itself (its port
+        taken, its address not on this host: bad input) would leave its torchruns waiting
+        out their rendezvous timeout (600 s) for nothing: fail at once, with its log's last
+        line."""
+        for i, (job, log, at, proc) in enumerate(self.stores):
             if (rc := proc.poll()) is None:
+                continue
+            if rc < 0 and self.finished_at is not None:
+                continue  # fault_tolerance: the run's weights are final, nobody restarts
+            if rc < 0:
+                a = Attempt(rc, f"{job.host.name}/rendezvous-store")
+                if self.store_restarts.get(job.name, 0) >= self.spec.max_restarts:
+                    return a
+                self.store_restarts[job.name] = self.store_restarts.get(job.name, 0) + 1
+                self.result.attempts.append(a)
+                if on_restart:
+                    on_restart(a)
+                at = log.stat().st_size
+                self.stores[i] = (job, log, at, spawn(store_command(job), self.env, log))
                 continue
             with open(log, "rb") as f:
                 f.seek(at)
@@ -471,6 +511,7 @@ class Supervisor:
                 f"({lines[-1][:160] if lines else 'no output'}; {log}); free the port or fix "
                 "the address"
             )
+        return None
 
     def _stop_job_of(self, node: str) -> None:
         _stop([self.procs[n.name] for n in job_of(self.jobs, node).nodes if n.name in self.procs])
@@ -513,6 +554,19 @@ class Supervisor:
                 self.failures[node] = self.failures.get(node, 0) + 1
                 out.append(Attempt(int(m.group(1)), f"{node}/{m.group(2)}"))
         return out
+
+
+def _lost_store(log: Path, since: int) -> bool:
+    """The torchrun agent writing `log` (from byte `since`) ended on a broken connection
+    to its rendezvous store (torch.distributed.elastic's RendezvousConnectionError, its
+    last line)."""
+    try:
+        with open(log, "rb") as f:
+            f.seek(max(since, f.seek(0, os.SEEK_END) - 4096))
+            lines = f.read().decode(errors="replace").strip().splitlines()
+    except OSError:
+        return False
+    return bool(lines) and "RendezvousConnectionError" in lines[-1]
 
 
 def _final(events: Path, nodes: list[NodeSpec], since: int) -> Attempt | None:

@@ -5,7 +5,9 @@ torchrun's c10d backend, when it hosts the store itself, binds its TCPStore to e
 interface. The launcher of the node that holds rank 0 runs this process instead (in the
 lab, inside the node's namespace, where the address lives) and every torchrun joins it as
 a client (`--rdzv-conf=is_host=false`). It serves until it is stopped (SIGTERM), and dies
-with its launcher (training.launch.launcher.spawn).
+with its launcher (training.launch.launcher.spawn). Killed by a signal, the launcher starts
+it again on the same address and port (its state, the rendezvous, is gone: the agents
+start again too).
 """
 
 from __future__ import annotations
