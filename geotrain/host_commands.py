@@ -120,3 +120,18 @@ def node_remove(purge: bool) -> None:
     from geotrain.agent.bootstrap import main
 
     main(["remove", *(["--purge"] if purge else [])])
+
+
+@node.command("status")
+@click.option(
+    "--textfile",
+    default=None,
+    help="Also write geotrain_node_drift for node-exporter's textfile collector here.",
+)
+def node_status(textfile: str | None) -> None:
+    """What differs on this host from its last apply (files, services, tunnels, address):
+    JSON, exit 3 when anything does. `pulumi refresh` cannot see it; run it by hand, from
+    a timer, or over SSH from a scheduled check."""
+    from geotrain.agent.bootstrap import main
+
+    main(["status", *(["--textfile", textfile] if textfile else [])])

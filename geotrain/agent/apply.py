@@ -295,6 +295,10 @@ class Apply:
         self.bundle, self.spec, self.secrets, self.state = bundle, spec, secrets, state
         self.node = spec.node
         self.changed: list[str] = []
+        self.addresses_wanted: list[dict[str, str]] = []
+        """Every private address the spec wants, the agent's or not (`status` checks)."""
+        self.installed: dict[str, str] = {}
+        """dest -> sha256 of what this apply put there (what `status` compares against)."""
         self.undo: list[Callable[[], object]] = []
         self.inputs: dict[str, str] = {}
         """Digest of every input a unit may restart on (bundle files, run-key, runtime)."""
@@ -310,6 +314,7 @@ class Apply:
         written and chowned, through fds that follow no link."""
         uid, gid = _uid(owner), _gid(group)
         dir_owner = None if owner in ("root", self.spec.service_user) else uid
+        self.installed[str(dest)] = sha(data)
         rec = self.state.d["files"].get(str(dest))
         made: list[str] = []
         with safefs.parent(dest, create=True, strict=False, made=made) as (fd, name):
@@ -540,6 +545,7 @@ class Apply:
                 self.changed.append(f"route {x['dst']} via {x['via']}")
                 ours_routes.append(x)
         self.state.d["addresses"], self.state.d["routes"] = ours_addrs, ours_routes
+        self.addresses_wanted = want_addrs
 
     def wireguard(self) -> None:
         tunnels = self.spec.tunnels
@@ -756,8 +762,69 @@ def apply(bundle: Path, secrets_data: bytes | None) -> dict[str, Any]:
             subprocess.run(["systemctl", "daemon-reload"], capture_output=True)
         raise
     state.d["bundle"] = bundle.name
+    state.d["expect"] = {  # what `status` finds drifted; never drives a change
+        "files": a.installed,
+        "units": sorted(u.name for u in spec.units if u.start),
+        "tunnels": [t.ifname for t in spec.tunnels],
+        "addresses": [{"ifname": x["ifname"], "address": x["address"]} for x in a.addresses_wanted],
+    }
     state.save()
     return {"node": spec.node, "changed": a.changed}
+
+
+DRIFT_EXIT = 3
+"""`geotrain-node status`'s exit code when the host differs from its last apply (2 stays
+an error's)."""
+
+
+def status(textfile: Path | None = None) -> dict[str, Any]:
+    """What differs on this host from what the last apply left: a managed file changed or
+    gone, a service not running, a tunnel or the private address gone (a hand edit, a
+    stopped unit, a host reimaged at the same address). Changes nothing; the next
+    `pulumi up` does not see it (pulumi-command resources do not refresh), so this is
+    what `geotrain node status` and the scheduled check (geotrain-status.timer) run.
+    `textfile`: also write geotrain_node_drift for node-exporter's textfile collector."""
+    state = State.load()
+    node = state.d.get("node") or os.uname().nodename
+    expect = state.d.get("expect")
+    drift: list[str] = []
+    if not isinstance(expect, dict):
+        drift.append("no apply recorded on this host: run `pulumi up`")
+        expect = {}
+    for dest, want in sorted(dict(expect.get("files", {})).items()):
+        try:
+            got = safefs.read(Path(dest), strict=False)
+        except (OSError, safefs.UnsafePath) as e:
+            drift.append(f"file {dest}: unreadable ({e})")
+            continue
+        if got is None:
+            drift.append(f"file {dest}: missing")
+        elif sha(got[0]) != want:
+            drift.append(f"file {dest}: changed")
+    for unit in expect.get("units", []):
+        if not unit_state(str(unit))[1]:
+            drift.append(f"unit {unit}: not active")
+    for ifname in expect.get("tunnels", []):
+        if not netlink.has_link(str(ifname)):
+            drift.append(f"tunnel {ifname}: missing")
+    for x in expect.get("addresses", []):
+        if not netlink.has_address(str(x["ifname"]), str(x["address"])):
+            drift.append(f"address {x['address']} on {x['ifname']}: missing")
+    out = {"node": node, "ok": not drift, "drift": drift}
+    if textfile is not None:
+        _write_textfile(textfile, node, len(drift))
+    return out
+
+
+def _write_textfile(path: Path, node: str, drifted: int) -> None:
+    """geotrain_node_drift{node} for node-exporter's textfile collector (atomic: the
+    collector never reads half a file)."""
+    text = (
+        "# HELP geotrain_node_drift Differences from the last apply (geotrain-node status).\n"
+        "# TYPE geotrain_node_drift gauge\n"
+        f'geotrain_node_drift{{node="{node}"}} {drifted}\n'
+    )
+    safefs.write(path, text.encode(), 0o644)
 
 
 def remove(purge: bool) -> dict[str, Any]:
@@ -897,17 +964,23 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--secrets-stdin", action="store_true")
     p = sub.add_parser("remove")
     p.add_argument("--purge", action="store_true")
+    p = sub.add_parser("status")
+    p.add_argument("--textfile", type=Path, default=None)
     args = ap.parse_args(argv)
     try:
         if args.cmd == "apply":
             data = sys.stdin.buffer.read() if args.secrets_stdin else None
             out = apply(Path(args.bundle), data)
+        elif args.cmd == "status":
+            out = status(args.textfile)
         else:
             out = remove(args.purge)
     except AgentError as e:
         print(f"geotrain-node: error: {e}", file=sys.stderr)
         sys.exit(2)
     print(json.dumps(out))
+    if out.get("ok") is False:
+        sys.exit(DRIFT_EXIT)
 
 
 if __name__ == "__main__":

@@ -649,6 +649,24 @@ def cmd_remove(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_status(args: argparse.Namespace) -> int:
+    """Drift from the last apply (geotrain.agent.apply.status): JSON on stdout, exit 3 when
+    the host differs. Read-only, so without the host lock (an apply may be running)."""
+    if not (VENV / "bin" / "python").exists():
+        print(
+            json.dumps(
+                {
+                    "node": os.uname().nodename,
+                    "ok": False,
+                    "drift": ["no runtime venv: run `pulumi up`"],
+                }
+            )
+        )
+        return 3
+    extra = ["--textfile", args.textfile] if args.textfile else []
+    return stage_two(["status", *extra], None)
+
+
 def _state(host: str | None = None) -> dict[str, object]:
     """bootstrap.json: what stage one added (packages, apt files, directories, the venv),
     each entry checked to be something stage one can have added, so that a record from
@@ -715,12 +733,20 @@ def main(argv: list[str] | None = None) -> None:
             )
     p = sub.add_parser("remove")
     p.add_argument("--purge", action="store_true", help="Also delete kept data (checkpoints).")
+    p = sub.add_parser("status", help="What differs from the last apply (exit 3 when any).")
+    p.add_argument("--textfile", help="Also write geotrain_node_drift for node-exporter here.")
     args = ap.parse_args(argv)
     if os.geteuid() != 0:
         print("geotrain-node: error: the host agent needs root (run it with sudo)", file=sys.stderr)
         sys.exit(2)
     try:
-        rc = {"prepare": cmd_prepare, "apply": cmd_apply, "remove": cmd_remove}[args.cmd](args)
+        commands = {
+            "prepare": cmd_prepare,
+            "apply": cmd_apply,
+            "remove": cmd_remove,
+            "status": cmd_status,
+        }
+        rc = commands[args.cmd](args)
     except AgentError as e:
         print(f"geotrain-node: error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -33,6 +33,11 @@ def interface_near(address: str | None) -> str | None:
     return None
 
 
+def has_link(ifname: str) -> bool:
+    with IPRoute() as ipr:
+        return _index(ipr, ifname) is not None
+
+
 def has_address(ifname: str, cidr: str) -> bool:
     iface = ipaddress.IPv4Interface(cidr)
     with IPRoute() as ipr:

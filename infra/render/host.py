@@ -45,7 +45,9 @@ from training.spec import node_root
 FIREWALL_UNIT = "geotrain-firewall.service"
 WORKER_UNIT = "geotrain-worker.service"
 BASE_PACKAGES = ("iproute2", "nftables", "python3-venv")
-GATEWAY_PACKAGES = ("wireguard-tools", "frr")
+GATEWAY_PACKAGES = ("wireguard-tools", "frr", "frr-pythontools")
+"""frr-pythontools holds frr-reload.py, which `systemctl reload frr` runs: without it a
+changed frr.conf (a new peer, or a hand edit the next apply puts back) fails to apply."""
 FRR_DAEMONS = {"bgpd": "yes", "bfdd": "yes"}
 """Set in Debian's /etc/frr/daemons (zebra and mgmtd always run)."""
 

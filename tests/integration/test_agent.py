@@ -120,6 +120,34 @@ def test_apply_brings_the_host_to_its_bundle_and_a_second_apply_changes_nothing(
     rc, out, err = agent(host, b, tmp_path, "apply")
     assert rc == 0, err
     assert json.loads(out.strip().splitlines()[-1])["changed"] == []
+    # drift: what `pulumi refresh` cannot see (a hand edit, a stopped service, an address)
+    assert _status(host) == (0, [])
+    host.sh(
+        "echo '! edited by hand' >> /etc/frr/frr.conf; systemctl stop prometheus-node-exporter;"
+        " ip addr del 10.42.1.1/24 dev eth0"
+    )
+    assert _status(host, "/run/drift.prom") == (
+        3,
+        [
+            "file /etc/frr/frr.conf: changed",
+            "unit prometheus-node-exporter.service: not active",
+            "address 10.42.1.1/24 on eth0: missing",
+        ],
+    )
+    assert 'geotrain_node_drift{node="bj-0"} 3' in host.sh("cat /run/drift.prom")
+    rc, out, err = agent(host, b, tmp_path, "apply")  # the next up puts it back
+    assert rc == 0, err
+    assert _status(host) == (0, [])
+
+
+def _status(h: Host, textfile: str | None = None) -> tuple[int, list[str]]:
+    argv = [
+        "/usr/local/sbin/geotrain-node",
+        "status",
+        *(["--textfile", textfile] if textfile else []),
+    ]
+    r = h.exec(argv, check=False)
+    return r.returncode, json.loads(r.stdout.strip().splitlines()[-1])["drift"]
 
 
 def test_remove_returns_the_host_to_how_it_was_debians_own_files_included(
