@@ -3,19 +3,25 @@ gradient sync over the lab's WAN links shaped to 50 Mbit/s (tc tbf), geotrain's
 hierarchical int8+zstd+SM4 versus one flat gloo all-reduce over all ranks, in one run.
 The six workers train the demo model on their regions' data inside the lab's namespaces;
 every step's gradient is synced both ways (timed) and the hierarchical result is applied.
+Then the delay relay's own ceiling (issue 35): per link, unshaped, one TCP stream between
+the two gateways over their tunnel, through the relay the lab runs (infra/relay.py) and
+through the asyncio relay it replaced (infra/relay.py at BASELINE_RELAY), side by side;
+and each relay alone on loopback, a paced UDP stream at ALONE_RATES (loss, delay).
 
-Run: sudo .venv/bin/python benchmarks/lab_network.py. Prints a table and saves it to
-benchmarks/results/lab_network.md.
+Run: sudo .venv/bin/python benchmarks/lab_network.py [--relay-only]. Prints a table and
+saves it to benchmarks/results/lab_network.md (--relay-only: prints the relay table only).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import itertools
 import json
 import os
 import socket
+import struct
 import subprocess
 import sys
 import time
@@ -26,6 +32,19 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 N_PARAMS = 2_452_992  # the demo model (deepseek-tiny)
+BASELINE_RELAY = "14d912b7bee9ee6690e9a1331ba1d419bb4b3f0e"
+"""The last commit whose infra/relay.py is the asyncio relay (one call_later per datagram)."""
+BULK_S, RAMP_S = 8.0, 3.0
+"""A ceiling transfer lasts BULK_S; its rate counts from RAMP_S on (TCP's slow start over
+a 181 ms round trip takes ~2 s to open a 200 Mbit/s window)."""
+BULK_BUFFER = 32 << 20
+"""SO_SNDBUF/SO_RCVBUF of the ceiling's TCP stream: above delay x rate (200 Mbit/s x
+181 ms = 4.5 MB), so the stream's window is not what is measured."""
+ALONE_DELAY_MS, ALONE_RATES, ALONE_S = 90.0, (200.0, 400.0, 800.0), 3.0
+"""The relay alone: the lab's longest delay (most bytes in flight), offered rates, seconds."""
+DATAGRAM = 1452
+"""A full WireGuard datagram's UDP payload: the tunnel MTU 1420 + 32 bytes of WireGuard."""
+STAMP = struct.Struct("!Id")  # sequence number, send time (time.monotonic: one clock here)
 
 
 def worker(spec_path: str, rank: int, reps: int, out: str) -> None:
@@ -38,11 +57,12 @@ def worker(spec_path: str, rank: int, reps: int, out: str) -> None:
     from training.comm import gloo
     from training.comm.topology import Topology, make_groups
     from training.data.loader import ByteLoader, load_region_text
-    from training.gradsync import flat_grads, grads_of, scatter
     from training.models.deepseek import build_model
     from training.spec import LaunchSpec
+    from training.sync.buckets import buckets as sync_buckets
+    from training.sync.buckets import flat_grads, grads_of, scatter
     from training.sync.codec import Codec
-    from training.sync.hier import HierarchicalAllReduce, sync_buckets
+    from training.sync.hier import HierarchicalAllReduce
 
     torch.set_num_threads(1)
     spec = LaunchSpec.load(spec_path)
@@ -206,6 +226,257 @@ def round_trips(plan: object) -> dict[str, float]:
     return out
 
 
+def bulk_sink(host: str, port: int) -> None:
+    """Accept one TCP stream; print {bytes, rate from RAMP_S on (Mbit/s)}."""
+    srv = socket.socket()
+    srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    srv.setsockopt(socket.SOL_SOCKET, 33, BULK_BUFFER)  # SO_RCVBUFFORCE (root)
+    srv.bind((host, port))
+    srv.listen(1)
+    print("ready", flush=True)
+    conn, _ = srv.accept()
+    buf, n, marks = bytearray(1 << 20), 0, []
+    t0 = time.monotonic()
+    while k := conn.recv_into(buf):
+        n += k
+        marks.append((time.monotonic() - t0, n))
+    steady = [m for m in marks if m[0] >= RAMP_S]
+    (t1, n1), (t2, n2) = steady[0], steady[-1]
+    print(json.dumps({"bytes": n, "mbps": (n2 - n1) * 8 / (t2 - t1) / 1e6}))
+
+
+def bulk_source(host: str, port: int) -> None:
+    """Send to a bulk_sink for BULK_S seconds."""
+    c = socket.socket()
+    c.setsockopt(socket.SOL_SOCKET, 32, BULK_BUFFER)  # SO_SNDBUFFORCE (root)
+    c.connect((host, port))
+    data, t0 = bytes(1 << 20), time.monotonic()
+    while time.monotonic() - t0 < BULK_S:
+        c.sendall(data)
+    c.shutdown(socket.SHUT_WR)
+    c.recv(1)  # the sink's close: every byte is in
+
+
+def relay_ceiling(plan: Any, lab: Any, state: Path) -> list[dict[str, Any]]:
+    """Per link with a relay, unshaped: one TCP stream gateway a -> b over the tunnel
+    and the round trip between them, through the asyncio relay and through the lab's."""
+    from infra.hosts import netns_pids, stop_netns_processes
+
+    relays = _relay_programs()
+    rows = []
+    for t in plan.tunnels:
+        if t.relay_netns is None:
+            continue
+        na, nb = str(plan.region(t.a).gateway.netns), str(plan.region(t.b).gateway.netns)
+        for ns, dev in ((na, t.a_ifname), (nb, t.b_ifname)):  # no tbf: the relay's ceiling
+            subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", dev, "root"],
+                           capture_output=True)  # fmt: skip
+        for name, program in relays.items():
+            stop_netns_processes(t.relay_netns)
+            lab.start_relay(t, state, program)
+            (pid,) = netns_pids(t.relay_netns)
+            rtt = _gateway_rtt(na, nb, t.b_ip)
+            drops0 = [_udp_drops(ns) for ns in (t.relay_netns, nb)]
+            cpu0, w0 = _cpu_s(pid), time.monotonic()
+            mbps = _bulk(na, nb, t.b_ip)
+            cpu = (_cpu_s(pid) - cpu0) / (time.monotonic() - w0)
+            drops = [_udp_drops(ns) - d for ns, d in zip((t.relay_netns, nb), drops0, strict=True)]
+            rows.append({"link": f"{t.a}-{t.b}", "delay": t.latency_ms, "relay": name,
+                         "rtt_ms": rtt * 1000, "mbps": mbps, "cpu": cpu,
+                         "drops": drops})  # fmt: skip
+    return rows
+
+
+def _relay_programs() -> dict[str, tuple[str, ...]]:
+    """The relays compared, old first: `python *program ARGV` runs each."""
+    from infra.lab import RELAY
+
+    old = ROOT / ".geotrain" / "bench" / "relay_asyncio.py"
+    old.parent.mkdir(parents=True, exist_ok=True)
+    old.write_text(
+        subprocess.run(
+            ["git", "show", f"{BASELINE_RELAY}:infra/relay.py"],
+            cwd=ROOT, check=True, capture_output=True, text=True,
+        ).stdout
+    )  # fmt: skip
+    return {"asyncio relay (before)": (str(old),), "infra/relay.py": RELAY}
+
+
+def udp_sink(host: str, port: int, seconds: float) -> None:
+    """Count datagrams for `seconds` after the first; print the rate they arrived at
+    and their one-way delays."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    s.setsockopt(socket.SOL_SOCKET, 33, 8 << 20)  # SO_RCVBUFFORCE (root)
+    s.bind((host, port))
+    s.settimeout(5.0)
+    print("ready", flush=True)
+    delays, seqs, t_first, t_last = [], 0, 0.0, 0.0
+    with contextlib.suppress(TimeoutError):
+        data = s.recv(2048)
+        t_first = t_last = time.monotonic()
+        s.settimeout(1.0)  # the stream has ended when nothing comes for a second
+        while t_last - t_first < seconds:
+            seq, sent = STAMP.unpack_from(data)
+            delays.append(t_last - sent)
+            seqs = max(seqs, seq + 1)
+            data = s.recv(2048)
+            t_last = time.monotonic()
+    delays.sort()
+    span = max(t_last - t_first, 1e-9)
+    print(json.dumps({
+        "received": len(delays), "sent_before_last": seqs,
+        "mbps": len(delays) * DATAGRAM * 8 / span / 1e6,
+        "p50": delays[len(delays) // 2] if delays else None,
+        "p99": delays[len(delays) * 99 // 100] if delays else None,
+    }))  # fmt: skip
+
+
+def udp_source(host: str, port: int, mbps: float, seconds: float) -> None:
+    """Send full-size datagrams at `mbps`, paced every millisecond, for `seconds`."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    s.setsockopt(socket.SOL_SOCKET, 32, 8 << 20)  # SO_SNDBUFFORCE (root)
+    pad, per_s = bytes(DATAGRAM - STAMP.size), mbps * 1e6 / 8 / DATAGRAM
+    t0, seq = time.monotonic(), 0
+    while (now := time.monotonic()) - t0 < seconds:
+        while seq < (now - t0) * per_s:
+            s.sendto(STAMP.pack(seq, time.monotonic()) + pad, (host, port))
+            seq += 1
+        time.sleep(0.001)
+    print(json.dumps({"sent": seq}))
+
+
+def relay_alone(delay_ms: float, rates: tuple[float, ...], seconds: float) -> list[dict]:
+    """Each relay alone on loopback (no WireGuard, no lab): a paced stream of full
+    WireGuard-size datagrams one way through it, at each offered rate."""
+    rows = []
+    for name, program in _relay_programs().items():
+        for mbps in rates:
+            ports = []
+            for ip in ("127.0.0.1", "127.0.0.4"):  # free ports for gateway A and B
+                with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+                    probe.bind((ip, 0))
+                    ports.append(probe.getsockname()[1])
+            pa, pb = map(str, ports)
+            argv = ["127.0.0.2", pb, "127.0.0.1", pa, "127.0.0.3", "127.0.0.4", str(delay_ms)]
+            relay = subprocess.Popen([sys.executable, *program, *argv], cwd=ROOT,
+                                     stdout=subprocess.PIPE, text=True)  # fmt: skip
+            sink = subprocess.Popen(
+                [sys.executable, __file__, "--udp-sink", "127.0.0.4", pb, str(seconds)],
+                cwd=ROOT, stdout=subprocess.PIPE, text=True,
+            )  # fmt: skip
+            try:
+                assert relay.stdout is not None and sink.stdout is not None
+                relay.stdout.readline()  # ready
+                sink.stdout.readline()  # ready
+                source = subprocess.run(
+                    [sys.executable, __file__, "--udp-source", "127.0.0.2", pb, str(mbps),
+                     str(seconds + 1)],
+                    cwd=ROOT, check=True, capture_output=True, text=True,
+                )  # fmt: skip
+                got = json.loads(sink.communicate(timeout=30)[0].splitlines()[-1])
+            finally:
+                relay.kill()
+                relay.wait()
+            sent = json.loads(source.stdout.splitlines()[-1])["sent"]
+            rows.append({"relay": name, "offered": mbps, "delay": delay_ms, "sent": sent, **got})
+    return rows
+
+
+def alone_lines(rows: list[dict], seconds: float) -> list[str]:
+    out = [
+        "",
+        f"Each relay alone (no WireGuard, no lab, loopback): one way, a stream of "
+        f"{DATAGRAM}-byte datagrams (a full WireGuard datagram) paced at the offered rate; "
+        f"received: the rate they arrived at over {seconds:.0f} s from the first; loss: of "
+        "those sent before the last one received; delay: one way, send to receive.",
+        "",
+        "| relay | delay (ms) | offered (Mbit/s) | received (Mbit/s) | loss | "
+        "delay p50 / p99 (ms) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        loss = 1 - r["received"] / max(r["sent_before_last"], 1)
+        p50, p99 = (f"{r['p50'] * 1000:.1f}", f"{r['p99'] * 1000:.1f}") if r["p50"] else ("-", "-")
+        out.append(
+            f"| {r['relay']} | {r['delay']:.0f} | {r['offered']:.0f} | {r['mbps']:.0f} | "
+            f"{loss:.1%} | {p50} / {p99} |"
+        )
+    return out
+
+
+def _gateway_rtt(na: str, nb: str, b_ip: str) -> float:
+    echo = _probe(nb, "echo", b_ip, "7102", "6")
+    assert echo.stdout is not None
+    echo.stdout.readline()  # bound
+    got = _probe(na, "rtt", b_ip, "7102", "9").communicate()[0]
+    echo.kill()
+    echo.wait()
+    rtts = sorted(json.loads(got.splitlines()[-1])["rtts"])
+    return rtts[len(rtts) // 2] if rtts else float("nan")
+
+
+def _bulk(na: str, nb: str, b_ip: str) -> float:
+    def run(ns: str, *args: str) -> subprocess.Popen[str]:
+        cmd = ["ip", "netns", "exec", ns, sys.executable, __file__, *args]
+        return subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, cwd=ROOT)
+
+    sink = run(nb, "--sink", b_ip, "7103")
+    assert sink.stdout is not None
+    sink.stdout.readline()  # listening
+    if run(na, "--source", b_ip, "7103").wait(timeout=BULK_S + 60) != 0:
+        raise SystemExit("the relay ceiling's TCP source failed")
+    return float(json.loads(sink.communicate(timeout=30)[0].splitlines()[-1])["mbps"])
+
+
+def _udp_drops(ns: str) -> int:
+    """Datagrams namespace `ns` dropped for a full socket receive buffer (RcvbufErrors)."""
+    snmp = subprocess.run(["ip", "netns", "exec", ns, "cat", "/proc/net/snmp"],
+                          check=True, capture_output=True, text=True).stdout  # fmt: skip
+    names, values = (line.split()[1:] for line in snmp.splitlines() if line.startswith("Udp:"))
+    return int(values[names.index("RcvbufErrors")])
+
+
+def _cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) process `pid` has used."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def ceiling_lines(rows: list[dict[str, Any]]) -> list[str]:
+    out = [
+        "### Relay ceiling: each link's delay relay alone (unshaped), old relay vs new",
+        "",
+        f"One TCP stream gateway to gateway over the link's tunnel (wireguard-go), tbf "
+        f"removed from that link, {BULK_S:.0f} s, the rate from {RAMP_S:.0f} s on; socket "
+        f"buffers {BULK_BUFFER >> 20} MiB so the stream's window is not the limit. RTT: "
+        "median of 9 UDP round trips between the gateways over the tunnel, with that relay. "
+        "Relay CPU: its CPU time over the transfer's wall time; per core: the rate over "
+        "that share, what the relay would carry with a core to itself (an estimate). Old: "
+        "the asyncio relay (one call_later per datagram, infra/relay.py at "
+        f"{BASELINE_RELAY[:7]}); new: "
+        "infra/relay.py (one thread, a deadline FIFO per direction, 8 MiB socket buffers). "
+        "Dropped: datagrams the relay's namespace and gateway b's (wireguard-go's socket) "
+        "dropped for a full receive buffer during the transfer (RcvbufErrors).",
+        "",
+        "| link | delay each way (ms) | RTT old / new (ms) | old relay (Mbit/s) | "
+        "new relay (Mbit/s) | new / old | relay CPU old / new (% of a core) | "
+        "per core old / new (Mbit/s) | datagrams dropped, old: at the relay / at gateway b; "
+        "new: same |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    links = list(dict.fromkeys(r["link"] for r in rows))
+    for link in links:
+        o, n = (r for r in rows if r["link"] == link)
+        out.append(
+            f"| {link} | {n['delay']:.0f} | {o['rtt_ms']:.0f} / {n['rtt_ms']:.0f} | "
+            f"{o['mbps']:.0f} | {n['mbps']:.0f} | {n['mbps'] / o['mbps']:.1f}x | "
+            f"{o['cpu'] * 100:.0f} / {n['cpu'] * 100:.0f} | "
+            f"{o['mbps'] / o['cpu']:.0f} / {n['mbps'] / n['cpu']:.0f} | "
+            f"{o['drops'][0]} / {o['drops'][1]}; {n['drops'][0]} / {n['drops'][1]} |"
+        )
+    return out
+
+
 def _probe(ns: str, *args: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
         ["ip", "netns", "exec", ns, sys.executable, "-m", "infra.probe", *args],
@@ -219,9 +490,19 @@ def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
         worker(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5])
         return
+    if len(sys.argv) > 1 and sys.argv[1] in ("--sink", "--source"):
+        (bulk_sink if sys.argv[1] == "--sink" else bulk_source)(sys.argv[2], int(sys.argv[3]))
+        return
+    if len(sys.argv) > 1 and sys.argv[1] == "--udp-sink":
+        udp_sink(sys.argv[2], int(sys.argv[3]), float(sys.argv[4]))
+        return
+    if len(sys.argv) > 1 and sys.argv[1] == "--udp-source":
+        udp_source(sys.argv[2], int(sys.argv[3]), float(sys.argv[4]), float(sys.argv[5]))
+        return
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=9)
     ap.add_argument("--failovers", type=int, default=3)
+    ap.add_argument("--relay-only", action="store_true", help="only the relay ceiling; prints")
     a = ap.parse_args()
     sys.path.insert(0, str(ROOT))
     from infra import lab
@@ -230,6 +511,15 @@ def main() -> None:
 
     plan = build_plan(load_stack("lab"))
     state = ROOT / ".geotrain" / "lab" / "lab"
+    if a.relay_only:
+        lab.lab_up(plan, state)
+        try:
+            ceiling = relay_ceiling(plan, lab, state)
+        finally:
+            lab.lab_down(plan, state)
+        alone = relay_alone(ALONE_DELAY_MS, ALONE_RATES, ALONE_S)
+        print("\n".join([*ceiling_lines(ceiling), *alone_lines(alone, ALONE_S)]))
+        return
     ups, downs = [], []
     for _ in range(2):
         t0 = time.monotonic()
@@ -249,8 +539,10 @@ def main() -> None:
                 dev = t.side(region).ifname  # the agent shapes each tunnel interface
                 lab.sh("ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", dev, "root")
         floor = sync_bench(plan, a.reps)
+        ceiling = relay_ceiling(plan, lab, state)
     finally:
         lab.lab_down(plan, state)
+    alone = relay_alone(ALONE_DELAY_MS, ALONE_RATES, ALONE_S)  # after the lab: a quiet host
 
     def median(xs: list[float]) -> float:
         return sorted(xs)[len(xs) // 2]
@@ -288,17 +580,20 @@ def main() -> None:
         f"(s) | {flat0:.2f} / {hier0:.2f} |",
         "",
         "Six workers, userspace wireguard-go, FRR and the userspace latency relays share 2 "
-        "cores here: the per-step spread of the ratios is this machine's load, and with the "
-        "tbf shaping removed the relays' delay (and their own throughput) still bound the "
-        "syncs, so the unshaped run is no longer a CPU floor (before the relays it was, and "
-        "the link-bound part was 11.6x faster hierarchical than flat). Each step's gradient "
-        "is synced every way; the hierarchical result is the one applied.",
+        "cores here: the per-step spread of the ratios is this machine's load. With the tbf "
+        "shaping removed what is left is the links' delay and this machine's CPU "
+        "(wireguard-go, the relays, the workers' codec); what one link then carries is the "
+        "relay ceiling below. Each step's gradient is synced every way; the hierarchical "
+        "result is the one applied.",
         "",
         f"BFD: {plan.network.bfd_interval_ms} ms x {plan.network.bfd_multiplier}. "
         "Latency: each link's latency_ms, delayed each way by the lab's relay (infra/relay.py; "
         "this kernel has no netem); measured round trips over the overlay: "
         + ", ".join(f"{k} {v * 1000:.0f} ms" for k, v in rtts.items())
         + ".",
+        "",
+        *ceiling_lines(ceiling),
+        *alone_lines(alone, ALONE_S),
     ]
     table = "\n".join(lines) + "\n"
     print(table)

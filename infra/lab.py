@@ -29,6 +29,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from geotrain.agent.bootstrap import missing_packages
@@ -247,26 +248,32 @@ def _veth(ns: str, name: str, peer_ns: str, peer_name: str) -> None:
 def _relays(plan: Plan, state_dir: Path) -> None:
     for t in plan.tunnels:
         if t.relay_netns is not None:
-            _start_relay(t, state_dir)
+            start_relay(t, state_dir)
 
 
-def _start_relay(t: Tunnel, state_dir: Path) -> None:
-    """The relay of a link with latency; it lives until `lab down` kills its namespace."""
-    assert t.relay_netns is not None
-    argv = [
+RELAY = ("-m", "infra.relay")
+"""What the lab runs as a link's relay (benchmarks/lab_network.py runs others to compare)."""
+
+
+def relay_argv(t: Tunnel) -> list[str]:
+    """The relay's arguments for link `t`, in infra/relay.py's order."""
+    return [
         str(t.a_relay), str(t.b_port), t.a_underlay, str(t.a_port),
         str(t.b_relay), t.b_underlay, str(t.latency_ms),
     ]  # fmt: skip
+
+
+def start_relay(t: Tunnel, state_dir: Path, program: Sequence[str] = RELAY) -> None:
+    """The relay of a link with latency (`python *program ARGV`, in its namespace); it
+    lives until `lab down` kills its namespace."""
+    assert t.relay_netns is not None
     log_path = state_dir / f"relay-{t.index}.log"
+    cmd = ["ip", "netns", "exec", t.relay_netns, sys.executable, *program, *relay_argv(t)]
     with open(log_path, "w") as log:
         p = subprocess.Popen(
-            ["ip", "netns", "exec", t.relay_netns, sys.executable, "-m", "infra.relay", *argv],
-            stdout=subprocess.PIPE,
-            stderr=log,
-            text=True,
-            cwd=REPO_ROOT,
+            cmd, stdout=subprocess.PIPE, stderr=log, text=True, cwd=REPO_ROOT,
             start_new_session=True,
-        )
+        )  # fmt: skip
     assert p.stdout is not None
     if p.stdout.readline().strip() != "ready":
         raise LabError(f"the delay relay of link {t.a}-{t.b} did not start; see {log_path}")
