@@ -236,9 +236,9 @@ def test_cpu_workers_get_the_runtimes_allocator_setting_unless_the_operator_set_
     monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
     assert (
         worker_env(tmp_path, cpu=True)["MALLOC_MMAP_THRESHOLD_"]
-        == "131072"
+        == "4194304"
         == (CPU_MALLOC["MALLOC_MMAP_THRESHOLD_"])
     )
     assert "MALLOC_MMAP_THRESHOLD_" not in worker_env(tmp_path, cpu=False)
-    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "4194304")
-    assert worker_env(tmp_path, cpu=True)["MALLOC_MMAP_THRESHOLD_"] == "4194304"
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "131072")
+    assert worker_env(tmp_path, cpu=True)["MALLOC_MMAP_THRESHOLD_"] == "131072"

@@ -249,14 +249,18 @@ def _exit_on_signal(signum: int, _frame: object) -> None:
     raise SystemExit(128 + signum)
 
 
-CPU_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(128 * 1024)}
-"""glibc for CPU workers: every allocation of 128 KiB or more is its own mapping, returned
+CPU_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(4 * 2**20)}
+"""glibc for CPU workers: every allocation of 4 MiB or more is its own mapping, returned
 to the kernel when freed. glibc's default raises that threshold to the size of each large
-block freed (up to 32 MiB), so a training step's transient tensors (FSDP's gathered
-blocks and unsharded gradients, activations) come from the heap afterwards, whose freed
-pieces the process keeps: benchmarks/fsdp_memory.py measures the peak with and without.
-An operator's own MALLOC_MMAP_THRESHOLD_ wins. CUDA workers keep glibc's default (their
-tensors live in the CUDA allocator)."""
+block freed (up to 32 MiB), so a training step's large transients (FSDP's gathered blocks
+and unsharded gradients) come from the heap afterwards, whose freed pieces the process
+keeps: benchmarks/fsdp_memory.py measures the peak with and without. Not lower: at 128 KiB
+every activation is a fresh mapping, and the page faults made CPU steps 1.86x (the hf
+example) and 1.25x (deepseek-tiny) as long as the default's, while at 4 MiB the medians were
+1.18x and 0.80x, inside the spread of the rounds (benchmarks/results/cpu_malloc.md). 128 KiB
+saves more memory (fsdp_memory.md): an operator whose FSDP run is short of memory sets
+MALLOC_MMAP_THRESHOLD_=131072 in the launcher's environment; an operator's own setting wins.
+CUDA workers keep glibc's default (their tensors live in the CUDA allocator)."""
 
 
 def worker_env(run_dir: Path, cpu: bool = True) -> dict[str, str]:
