@@ -29,7 +29,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from geotrain.agent import cuda, safefs
-from geotrain.agent.hostspec import HOSTSPEC_FILE, MANIFEST_FILE, HostSpec
+from geotrain.agent.hostspec import HOSTSPEC_FILE, MANIFEST_FILE, HostSpec, Mirrors
 
 VENV = Path("/opt/geotrain/.venv")
 AGENT_HOME = Path("/opt/geotrain/agent")
@@ -437,7 +437,9 @@ def torch_runs(tag: str | None, driver: tuple[int, ...]) -> bool:
     return build is None or driver >= build.min_driver
 
 
-def ensure_torch(node: str, version: str | None, writable: bool) -> None:
+def ensure_torch(
+    node: str, version: str | None, writable: bool, mirrors: Mirrors | None = None
+) -> None:
     """On a GPU host, the venv's torch is a CUDA build the driver runs: installed from
     PyTorch's index for that CUDA when not (a read-only shared venv must already be)."""
     picked = torch_build(node, version) if version else None
@@ -457,10 +459,15 @@ def ensure_torch(node: str, version: str | None, writable: bool) -> None:
         )
     pip = [str(VENV / "bin" / "python"), "-m", "pip", "install", "-q", "--no-cache-dir"]
     want = f"torch=={version}+{build.tag}"
-    _run(node, "runtime", [*pip, want, "--index-url", build.index_url], None)
+    index = build.index_url
+    if mirrors is not None and mirrors.torch_index_url:
+        index = f"{mirrors.torch_index_url.rstrip('/')}/{build.tag}"
+    _run(node, "runtime", [*pip, want, "--index-url", index], None)
 
 
-def ensure_runtime(bundle: Path, manifest: dict[str, object], node: str) -> bool:
+def ensure_runtime(
+    bundle: Path, manifest: dict[str, object], node: str, mirrors: Mirrors | None = None
+) -> bool:
     """Make the venv hold the bundle's runtime; True when this call created the venv."""
     want = dict(manifest["runtime"])  # type: ignore[call-overload]
     have = runtime_identity(VENV)
@@ -470,7 +477,7 @@ def ensure_runtime(bundle: Path, manifest: dict[str, object], node: str) -> bool
     if version:
         torch_build(node, version)  # a driver too old for every build stops before any change
     if have == ident:
-        ensure_torch(node, version, os.access(VENV, os.W_OK))
+        ensure_torch(node, version, os.access(VENV, os.W_OK), mirrors)
         return False
     created = False
     if have is None and not (VENV / "bin" / "python").exists():
@@ -485,9 +492,10 @@ def ensure_runtime(bundle: Path, manifest: dict[str, object], node: str) -> bool
             "and the venv is read-only; rebuild the shared venv from this checkout",
         )
     pip = [str(VENV / "bin" / "python"), "-m", "pip", "install", "-q", "--no-cache-dir"]
-    ensure_torch(node, version, True)  # first: the wheel's `torch==X` is then satisfied
+    ensure_torch(node, version, True, mirrors)  # first: the wheel's `torch==X` is then met
     _run(node, "runtime", [*pip, "--force-reinstall", "--no-deps", str(wheel)], None)
-    _run(node, "runtime", [*pip, str(wheel)], None)  # its dependencies, from the index
+    index = ["--index-url", mirrors.pip_index_url] if mirrors and mirrors.pip_index_url else []
+    _run(node, "runtime", [*pip, str(wheel), *index], None)  # its dependencies, from the index
     if runtime_identity(VENV) != ident:
         raise AgentError(node, "runtime", f"{VENV} does not hold {_short(ident)} after install")
     return created
@@ -609,7 +617,7 @@ def cmd_apply(args: argparse.Namespace) -> int:
         _state(spec.node)  # a record only root could have written, before anything changes
         extra = ("wireguard-go",) if spec.tunnels and wireguard_userspace() else ()
         _remember_packages(install_packages(spec, (*extra, *runtime_packages())))
-        if ensure_runtime(bundle, manifest, spec.node):
+        if ensure_runtime(bundle, manifest, spec.node, spec.mirrors):
             _remember("created_venv", True)
         keep_agent_copy(bundle, manifest)
         argv = ["apply", "--bundle", str(bundle)]

@@ -62,6 +62,19 @@ class AddressSpec:
 
 
 @dataclass(frozen=True)
+class Mirrors:
+    """Where a host gets the runtime's Python packages when the public indexes are slow
+    or unreachable (mainland China). apt keeps the host's own sources: a cloud's images
+    already point at its mirror, and an SSH host's are its operator's."""
+
+    pip_index_url: str | None = None
+    """A PyPI mirror (`pip install --index-url`), e.g. https://mirrors.aliyun.com/pypi/simple/."""
+    torch_index_url: str | None = None
+    """A mirror of https://download.pytorch.org/whl: the CUDA build's tag is appended
+    (<url>/cu128), as on PyTorch's own index."""
+
+
+@dataclass(frozen=True)
 class RouteSpec:
     dst: str
     """Destination CIDR."""
@@ -167,6 +180,8 @@ class HostSpec:
     """systemd units, in start order."""
     run_key_path: str | None = None
     """Where the run key (from stdin) is written, mode 0400, owned by service_user."""
+    mirrors: Mirrors | None = None
+    """Package indexes to install the runtime from instead of the public ones."""
     format: int = HOSTSPEC_FORMAT
     """host.json format version."""
 

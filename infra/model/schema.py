@@ -239,6 +239,17 @@ class CloudSettings(Strict):
     (aws, alicloud); the WireGuard overlay stays on top."""
 
 
+class Mirrors(Strict):
+    """Package indexes the pool's hosts install the runtime from (ssh and cloud pools)."""
+
+    pip_index_url: str | None = Field(default=None, pattern=r"^https://[^\s]+$")
+    """A PyPI mirror for the runtime's dependencies, e.g.
+    https://mirrors.aliyun.com/pypi/simple/ (https only)."""
+    torch_index_url: str | None = Field(default=None, pattern=r"^https://[^\s]+$")
+    """A mirror of https://download.pytorch.org/whl for GPU hosts' CUDA build of torch
+    (the build's tag is appended: <url>/cu128)."""
+
+
 class Pool(Strict):
     kind: PoolKind
     """Backend: local processes, lab namespaces, ssh hosts, a Kubernetes cluster, or cloud
@@ -253,6 +264,9 @@ class Pool(Strict):
     """Settings for kind=kubernetes."""
     cloud: CloudSettings = CloudSettings()
     """Settings for kind aws, gcp and alicloud."""
+    mirrors: Mirrors = Mirrors()
+    """Package mirrors for the hosts the agent installs (kinds ssh, aws, gcp, alicloud);
+    apt keeps each host's own sources."""
 
 
 class Privacy(Strict):

@@ -17,6 +17,7 @@ from geotrain.agent.hostspec import (
     FileSpec,
     FrrSpec,
     HostSpec,
+    Mirrors,
     RepoSpec,
     RouteSpec,
     SecretFileSpec,
@@ -24,6 +25,7 @@ from geotrain.agent.hostspec import (
     UnitSpec,
 )
 from infra.model.paths import ETC, FIREWALL_PATH, REMOTE_SPEC_PATH, RUN_KEY_PATH
+from infra.model.schema import Mirrors as PoolMirrors
 from infra.plan import Plan, PlanNode
 from infra.render.monitoring import (
     GRAFANA_DASHBOARDS,
@@ -167,6 +169,7 @@ def render_host(plan: Plan, node: PlanNode, role: HostRole) -> tuple[HostSpec, d
         frr=frr,
         units=tuple(units),
         run_key_path=run_key_path,
+        mirrors=_mirrors(region.pool.mirrors),
     )
     return host, files
 
@@ -176,6 +179,13 @@ def host_key_path(key_file: str) -> str:
     one in /etc/geotrain (root's; the workers' group reads it), never in the workers' own
     working dir, where the worker user could swap the directory the agent writes it in."""
     return key_file if key_file.startswith("/") else RUN_KEY_PATH
+
+
+def _mirrors(m: PoolMirrors) -> Mirrors | None:
+    """The pool's package mirrors as the agent reads them (None: the public indexes)."""
+    if m.pip_index_url is None and m.torch_index_url is None:
+        return None
+    return Mirrors(pip_index_url=m.pip_index_url, torch_index_url=m.torch_index_url)
 
 
 def on_host(path: str) -> str:

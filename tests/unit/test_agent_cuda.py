@@ -174,3 +174,23 @@ def test_every_driver_branch_the_clouds_pin_runs_a_torch_build() -> None:
     assert cuda.build_for_branch(cuda.DRIVER_BRANCH) == cuda.TORCH_CUDA_BUILDS[0]
     assert cuda.build_for_branch("570") == cuda.build_of_tag("cu128")
     assert cuda.build_for_branch("550") is None
+
+
+def test_a_pools_mirrors_replace_the_public_indexes(
+    driver: Driver, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from geotrain.agent.hostspec import Mirrors
+
+    driver("570.124.06")
+    manifest, ran = _runtime(tmp_path, monkeypatch, torch_tag=None)
+    mirrors = Mirrors(
+        pip_index_url="https://mirrors.aliyun.com/pypi/simple/",
+        torch_index_url="https://mirrors.aliyun.com/pytorch-wheels/",
+    )
+    bootstrap.ensure_runtime(tmp_path, manifest, "bj-0", mirrors)
+    torch_cmd = next(a for a in ran if "torch==2.13.0+cu128" in a)
+    assert torch_cmd[-2:] == ["--index-url", "https://mirrors.aliyun.com/pytorch-wheels/cu128"]
+    deps = ran[-1]  # the wheel with its dependencies, from the PyPI mirror
+    assert deps[-3].endswith(".whl")
+    assert deps[-2:] == ["--index-url", "https://mirrors.aliyun.com/pypi/simple/"]
+    assert not any("download.pytorch.org" in x or "pypi.org" in x for a in ran for x in a)

@@ -185,3 +185,45 @@ def test_the_firewall_admits_ssh_on_the_pools_port(write_stack: Any) -> None:
     plan = build_plan(load_stack(str(f)))
     fw = render_firewall(plan, plan.node("bj-1"))
     assert "tcp dport 2222 ip saddr @admin accept" in fw and "dport 22 " not in fw
+
+
+def test_a_pools_mirrors_reach_its_hosts_spec_and_other_pools_keep_the_public_indexes(
+    write_stack: Any,
+) -> None:
+    def put(c: dict[str, Any]) -> None:
+        c["geotrain:regions"][0]["pool"]["mirrors"] = {
+            "pip_index_url": "https://mirrors.aliyun.com/pypi/simple/"
+        }
+
+    plan = build_plan(load_stack(str(write_stack("global", put))))
+    bj, _ = render_host(plan, plan.node("bj-1"), ROLES["ssh"])
+    fra, _ = render_host(plan, plan.node("fra-1"), ROLES["ssh"])
+    assert bj.mirrors is not None
+    assert bj.mirrors.pip_index_url == "https://mirrors.aliyun.com/pypi/simple/"
+    assert bj.mirrors.torch_index_url is None and fra.mirrors is None
+    assert HostSpec.from_json(bj.to_json()) == bj  # the agent reads what was rendered
+
+
+@pytest.mark.parametrize(
+    ("stack", "mirrors", "words"),
+    [
+        ("global", {"pip_index_url": "http://mirror.example/simple"}, "pool.mirrors"),
+        ("local", {"pip_index_url": "https://mirror.example/simple"}, "installs nothing"),
+    ],
+)
+def test_mirrors_that_are_not_https_or_on_a_pool_without_hosts_are_refused(
+    tmp_path: Path, stack: str, mirrors: dict[str, str], words: str
+) -> None:
+    import yaml
+    from click.testing import CliRunner
+
+    from geotrain.cli import cli
+
+    repo = Path(__file__).resolve().parents[2]
+    doc = yaml.safe_load((repo / "stacks" / f"Pulumi.{stack}.yaml").read_text())
+    doc["config"]["geotrain:regions"][0]["pool"]["mirrors"] = mirrors
+    path = tmp_path / "Pulumi.m.yaml"
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    r = CliRunner().invoke(cli, ["validate", "--stack", str(path)])
+    assert r.exit_code == 2 and len(r.output.strip().splitlines()) == 1, r.output
+    assert words in r.output, r.output

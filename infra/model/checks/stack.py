@@ -103,6 +103,13 @@ def pools(m: StackModel, source: str) -> None:
                 "sudo the agent needs) would give the workers sudo; use another login user "
                 f"(default {DEFAULT_LOGIN_USER})",
             )
+        if r.pool.kind not in (*CLOUD_KINDS, "ssh") and "mirrors" in r.pool.model_fields_set:
+            raise err(
+                source,
+                f"regions[{i}].pool.mirrors",
+                f"a {r.pool.kind} pool installs nothing on hosts (the agent runs on ssh and "
+                "cloud pools only); drop mirrors, or set them on the image or machine",
+            )
         if r.pool.kind in CLOUD_KINDS and r.pool.ssh.port != 22:
             raise err(
                 source,
