@@ -9,9 +9,10 @@ GradBuffer, DDP's gradient-as-bucket-view) and averages it inside the region wit
 in-place all-reduce (what sync: diloco's inner steps do; the cross-region sync adds its
 buckets on top in both modes); `fsdp` is `parallel.shard: fsdp` (FSDP's reduce-scatter),
 its gradients set to None before each backward as the runtime does. Both run under glibc's
-default allocator settings and under the runtime's for CPU workers
-(training.launch.launcher.CPU_MALLOC), side by side, each in its own fresh processes, in one
-invocation. Peak memory is the kernel's high-water mark of the process (VmHWM), and the
+default allocator settings, under the runtime's for CPU workers
+(training.launch.launcher.CPU_MALLOC) and under a 128 KiB mmap threshold (lower memory,
+slower steps: benchmarks/cpu_malloc.py), side by side, each in its own fresh processes, in
+one invocation. Peak memory is the kernel's high-water mark of the process (VmHWM), and the
 growth over the process before the model was built.
 
 History: the first version of this script (results of 2026-12-07) averaged a replicated
@@ -131,7 +132,11 @@ def main() -> None:
     if a.one:  # a child of this script: one mode, its rows as JSON
         print(json.dumps(run_world(_rank, RANKS, a.one, timeout=1800)))
         return
-    settings = {"glibc default": {}, "runtime (CPU_MALLOC)": CPU_MALLOC}
+    settings = {
+        "glibc default": {},
+        "runtime (CPU_MALLOC)": CPU_MALLOC,
+        "128 KiB": {"MALLOC_MMAP_THRESHOLD_": str(128 * 1024)},
+    }
     rows = {
         (alloc, mode): _world(mode, env)
         for alloc, env in settings.items()
