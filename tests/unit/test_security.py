@@ -7,10 +7,12 @@ hung collective fails the test instead of the suite.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import pickle
+import random
 import re
 import shutil
 import signal
@@ -267,10 +269,23 @@ def test_an_authentic_body_that_declares_another_size_is_never_decompressed(
 
 
 # -- 5. listeners ----------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def _free_port(span: int = 4) -> int:
+    """The first of `span` free ports below the kernel's ephemeral range: the run picks its
+    own ports (the rendezvous store's) from that range as it starts, after this returns, and
+    could pick one of ours (a run once failed on a metrics port its store had taken)."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    rng = random.Random()
+    for _ in range(200):
+        base = rng.randrange(20000, low - span)
+        try:
+            with contextlib.ExitStack() as held:
+                for port in range(base, base + span):
+                    s = held.enter_context(socket.socket())
+                    s.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+    raise RuntimeError(f"no {span} free ports between 20000 and {low}")
 
 
 def _listening(pids: set[int] | None = None) -> list[tuple[str, int]]:
