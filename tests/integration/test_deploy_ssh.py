@@ -193,12 +193,12 @@ def _region_collective(fl: F.Fleet) -> dict[str, str]:
     """The collective as deployed, with a wrong interface, and with the firewall's region
     rule gone (put back from the rendered file afterwards)."""
     # a collective that works takes seconds; one that cannot is not waited for long
-    out = {"deployed": _collective(fl), "interface lo": _collective(fl, "lo", 20)}
+    out = {"deployed": _collective(fl), "interface lo": _collective(fl, "lo", 14)}
     for n in ("bj-gw", "bj-w1"):
         rules = fl.hosts[n].sh("nft -a list chain inet geotrain input")
         handle = next(ln.rsplit(" ", 1)[1] for ln in rules.splitlines() if "@region" in ln)
         fl.hosts[n].sh(f"nft delete rule inet geotrain input handle {handle}")
-    out["no region rule"] = _collective(fl, wait_s=20)
+    out["no region rule"] = _collective(fl, wait_s=14)
     for n in ("bj-gw", "bj-w1"):
         fl.hosts[n].sh(f"nft -f {FIREWALL_PATH}")
     return out
