@@ -481,8 +481,9 @@ def ensure_runtime(
         return False
     created = False
     if have is None and not (VENV / "bin" / "python").exists():
-        venv = "python3-venv" if venv_python(node) == sys.executable else "python3.11-venv"
-        _run(node, "runtime", [venv_python(node), "-m", "venv", str(VENV)], venv)
+        python = venv_python(node)
+        hint = "python3-venv" if python == sys.executable else "python3.11-venv"
+        _run(node, "runtime", [python, "-m", "venv", str(VENV)], hint)
         created = True
     elif not os.access(VENV, os.W_OK):
         raise AgentError(
